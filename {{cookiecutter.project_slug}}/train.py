@@ -1,0 +1,47 @@
+"""Train with DistributedDataParallel; resume from the newest good snapshot after any failure.
+
+    python train.py                                                      # one process (CPU or one GPU)
+    torchrun --standalone --nproc_per_node={{ cookiecutter.nproc_per_node | int }} train.py                        # every rank on this machine
+    torchrun --standalone --nproc_per_node={{ cookiecutter.nproc_per_node | int }} --max-restarts=3 train.py       # restart and resume after failures
+    torchrun --nnodes=2 --nproc_per_node={{ cookiecutter.nproc_per_node | int }} --rdzv-backend=c10d \
+        --rdzv-endpoint=HOST:29400 --rdzv-id=JOB train.py               # several machines
+    sbatch scripts/train.sbatch                                          # the same, on SLURM
+
+`python train.py --help` lists every setting. Re-running a command in the same folder resumes from
+--snapshot-dir; remove that folder (or pass another) to start from scratch.
+"""
+
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from {{ cookiecutter.project_slug }} import config, distributed, logs, trainer
+
+log = logs.get_logger("{{ cookiecutter.project_slug }}.train")
+
+
+@record  # a failing rank's traceback reaches torchrun's summary
+def main(argv=None):
+    cfg = config.parse_args(argv)
+    env = distributed.read_env()
+    logs.setup(env.rank, cfg.log_file)
+    finished = False
+    try:
+        env = distributed.init(env, cfg)
+        log.info("rank %d of %d, backend %s, device %s", env.rank, env.world_size, env.backend, env.device)
+        summary = trainer.train(cfg, env)
+        finished = True
+    except SystemExit:
+        raise
+    except BaseException:
+        log.exception("training failed")  # tagged with this rank, then re-raised for torchrun to see
+        raise
+    finally:
+        distributed.teardown(clean=finished)
+    if summary.stop_signal:
+        sys.exit(128 + summary.stop_signal)  # stopped early (preempted): not a success, so schedulers re-run it
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""The torchrun environment, read once: rank, world size, device, process group, teardown.
+
+`python train.py` (no torchrun, RANK unset) is a world of one process with no process group; everything
+else in the project works the same way in both cases.
+"""
+
+import datetime
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import debug
+
+LONG_TIMEOUT = datetime.timedelta(days=1)  # while a debugger may hold a rank at a breakpoint
+PROBE_TIMEOUT = datetime.timedelta(seconds=2)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    backend: str = "none"  # "gloo" or "nccl" once a process group is up; "none" for a single process
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+    @property
+    def is_distributed(self):
+        return self.world_size > 1 or self.backend != "none"
+
+
+def read_env():
+    """Ranks from torchrun's environment variables; a single process when RANK is unset."""
+    if "RANK" not in os.environ:
+        return DistEnv()
+    return DistEnv(
+        rank=int(os.environ["RANK"]),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+    )
+
+
+def resolve_backend(requested):
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "--backend nccl needs CUDA GPUs, but torch.cuda.is_available() is False on this machine; "
+            "use --backend gloo (or auto) to train on CPU"
+        )
+    return requested
+
+
+def pick_device(backend, local_rank):
+    if backend == "gloo" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise RuntimeError(
+            f"local rank {local_rank} has no GPU: this machine has {torch.cuda.device_count()}; "
+            "use --nproc_per_node <= the number of GPUs"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def set_cpu_threads(env, threads_per_rank):
+    """Split the cores among the ranks of this machine, so ranks don't fight over them.
+
+    torchrun sets OMP_NUM_THREADS=1 for every rank, which leaves cores idle when there are more cores than
+    ranks; oversubscribing them is worse. A run's thread count is part of its numerics: keep it the same
+    when you compare runs bit for bit.
+    """
+    if threads_per_rank == 0:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads_per_rank = max(1, cores // env.local_world_size)
+    torch.set_num_threads(threads_per_rank)
+    return threads_per_rank
+
+
+def _fresh_store(env, timeout):
+    """A store that holds only this attempt's keys.
+
+    Under torchrun the workers share the agent's store across restarts, so a restarted worker can read a dead
+    peer's address left by the failed attempt and fail in gloo's connectFullMesh (pytorch/pytorch#135712).
+    Rank 0 therefore serves a new store on a free port and publishes its address in the agent's store; the
+    other ranks skip addresses that no longer answer (left by an earlier attempt) until they reach it.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if not agent_store:
+        # Rank 0 hosts the bootstrap store itself, new for every attempt: nothing stale can be in it.
+        return dist.TCPStore(host, port, env.world_size, is_master=env.rank == 0, timeout=timeout)
+    bootstrap = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    key = "ddp_template/process_group_store"
+    if env.rank == 0:
+        store = dist.TCPStore("0.0.0.0", 0, env.world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        token = secrets.token_hex(8)
+        store.set("token", token)
+        bootstrap.set(key, f"{_advertised_host(host)}:{store.port}:{token}")
+        return store
+    deadline = datetime.datetime.now() + timeout
+    while True:
+        addr, port_text, token = bootstrap.get(key).decode().rsplit(":", 2)
+        try:
+            store = dist.TCPStore(addr, int(port_text), is_master=False, timeout=PROBE_TIMEOUT)
+            if store.get("token").decode() == token:
+                store.set_timeout(timeout)
+                return store
+        except (RuntimeError, dist.DistStoreError):
+            pass  # an address from an earlier attempt; rank 0 of this one will publish its own
+        if datetime.datetime.now() > deadline:
+            raise TimeoutError(f"rank {env.rank} found no process group store from rank 0 within {timeout}")
+
+
+def _advertised_host(master_addr):
+    """The address other ranks reach rank 0 at: MASTER_ADDR names rank 0's machine under torchrun."""
+    if master_addr in ("localhost", "127.0.0.1", "::1"):
+        return master_addr
+    try:
+        socket.getaddrinfo(master_addr, None)
+        return master_addr
+    except OSError:
+        return socket.getfqdn()
+
+
+def init(env, cfg):
+    """Start the process group (when under torchrun), pick the device, and let a debugger attach."""
+    backend = resolve_backend(cfg.backend)
+    device = pick_device(backend, env.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if "RANK" not in os.environ:
+        env = DistEnv(device=device)
+    else:
+        debugging = debug.requested()
+        timeout = LONG_TIMEOUT if debugging else datetime.timedelta(seconds=cfg.dist_timeout)
+        store = _fresh_store(env, timeout)
+        dist.init_process_group(
+            backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
+        env = DistEnv(env.rank, env.local_rank, env.world_size, env.local_world_size, backend, device)
+    if device.type == "cpu":
+        set_cpu_threads(env, cfg.threads_per_rank)
+    debug.wait_for_debugger(env)
+    return env
+
+
+def teardown(clean):
+    """Leave the process group. After a clean finish, ranks first wait for each other, so rank 0 (which serves the
+    store) does not leave while others still use it; after a failure they don't: the others may never arrive."""
+    if dist.is_available() and dist.is_initialized():
+        if clean:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+# Collectives that are no-ops in a single process, so callers need not ask.
+
+def barrier(env):
+    if env.is_distributed:
+        dist.barrier()
+
+
+def all_min_max(env, value):
+    """(min, max) of an integer over all ranks."""
+    if not env.is_distributed:
+        return value, value
+    both = torch.tensor([value, -value], dtype=torch.int64, device=_collective_device(env))
+    dist.all_reduce(both, op=dist.ReduceOp.MIN)
+    return int(both[0]), -int(both[1])
+
+
+def all_true(env, flag):
+    low, _ = all_min_max(env, int(bool(flag)))
+    return bool(low)
+
+
+def broadcast_object(env, obj):
+    if not env.is_distributed:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0, device=_collective_device(env))
+    return holder[0]
+
+
+def all_mean(env, tensor):
+    """Mean of a tensor over ranks (a copy; the input is left alone)."""
+    if not env.is_distributed:
+        return tensor.clone()
+    out = tensor.detach().clone().to(_collective_device(env))
+    dist.all_reduce(out)
+    return out / env.world_size
+
+
+def _collective_device(env):
+    return env.device if env.backend == "nccl" else torch.device("cpu")
