@@ -1,0 +1,129 @@
+"""Helpers for tests that run the real thing: train.py in processes, under torchrun, on gloo."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "{{ cookiecutter.project_slug }}"
+# A short run of the demo, fast enough for tests.
+QUICK = ["--wandb", "disabled", "--dataset-size", "2048", "--width", "64", "--log-every", "5"]
+
+
+def child_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DEBUG_", "WANDB_", "TORCHELASTIC_"))}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DEBUGPY_RUNNING"):
+        env.pop(key, None)
+    env.update({"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)})
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def train_cmd(nproc=None, torchrun_args=(), script="train.py"):
+    """`python train.py` when nproc is None, else torchrun --standalone with nproc ranks."""
+    if nproc is None:
+        return [sys.executable, str(ROOT / script)]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            *torchrun_args, str(ROOT / script)]
+
+
+def outputs(tmp_path, name="run"):
+    return ["--snapshot-dir", str(tmp_path / f"{name}-snapshots"), "--log-file", str(tmp_path / f"{name}.log")]
+
+
+def run(cmd, env=None, timeout=300, cwd=None, check=True):
+    """Run to the end; return the CompletedProcess with stdout and stderr merged into .stdout."""
+    result = subprocess.run(cmd, env=env or child_env(), cwd=cwd or ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        pytest.fail(f"{' '.join(map(str, cmd))} exited {result.returncode}:\n{result.stdout[-6000:]}")
+    return result
+
+
+def start(cmd, env=None, cwd=None):
+    return subprocess.Popen(cmd, env=env or child_env(), cwd=cwd or ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(proc, timeout=300):
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s:\n{out[-6000:]}")
+    return proc.returncode, out
+
+
+def worker_pids(agent_pid):
+    """{global rank: pid} of the workers a torchrun agent runs now."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+            if parent != agent_pid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                variables = handle.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        for item in variables:
+            if item.startswith(b"RANK="):
+                found[int(item[5:])] = int(entry)
+    return found
+
+
+def wait_for(predicate, timeout=60, interval=0.05, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def final_model(snapshot_dir):
+    from {{ cookiecutter.project_slug }}.snapshot import load_latest
+
+    state = load_latest(str(snapshot_dir))
+    assert state is not None, f"no snapshot in {snapshot_dir}"
+    return state
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    different = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not different, f"weights differ in {different}"
+
+
+@pytest.fixture(scope="session")
+def reference_runs(tmp_path_factory):
+    """Uninterrupted runs, computed once per argument list and world size, to compare others against."""
+    cache = {}
+
+    def get(args, nproc=2):
+        key = (tuple(args), nproc)
+        if key not in cache:
+            folder = tmp_path_factory.mktemp("reference")
+            run(train_cmd(nproc) + list(args) + outputs(folder))
+            cache[key] = final_model(folder / "run-snapshots")
+        return cache[key]
+
+    return get
