@@ -36,6 +36,7 @@ class Config:
     # Model and data (the defaults are a small demo: replace model.py and data.py with yours).
     width: int = option(256, "hidden width of the demo model")
     depth: int = option(3, "hidden layers of the demo model")
+    dropout: float = option(0.1, "dropout probability of the demo model")
     dataset_size: int = option(8192, "samples in the demo dataset")
     num_workers: int = option(0, "DataLoader worker processes per rank")
     # Snapshots (fault tolerance).
@@ -94,6 +95,8 @@ def validate(cfg, fail):
             fail(f"{_flag(name)} must be >= 0, got {getattr(cfg, name)}")
     if cfg.keep_snapshots < 2:
         fail(f"--keep-snapshots must be >= 2 (the newest snapshot may be mid-write when a job dies), got {cfg.keep_snapshots}")
+    if not 0 <= cfg.dropout < 1:
+        fail(f"--dropout must be in [0, 1), got {cfg.dropout}")
     if not cfg.lr > 0:
         fail(f"--lr must be > 0, got {cfg.lr}")
     if not cfg.dist_timeout > 0:

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import debug
+from . import debug, logs
+
+log = logs.get_logger(__name__)
 
 LONG_TIMEOUT = datetime.timedelta(days=1)  # while a debugger may hold a rank at a breakpoint
 PROBE_TIMEOUT = datetime.timedelta(seconds=2)
@@ -148,8 +150,9 @@ def init(env, cfg):
             device_id=device if device.type == "cuda" else None,
         )
         env = DistEnv(env.rank, env.local_rank, env.world_size, env.local_world_size, backend, device)
-    if device.type == "cpu":
-        set_cpu_threads(env, cfg.threads_per_rank)
+    threads = set_cpu_threads(env, cfg.threads_per_rank) if device.type == "cpu" else torch.get_num_threads()
+    log.debug("rank %d of %d up: backend %s, device %s, %d CPU threads", env.rank, env.world_size, env.backend,
+              env.device, threads)
     debug.wait_for_debugger(env)
     return env
 

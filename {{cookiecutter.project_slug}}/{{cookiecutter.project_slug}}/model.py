@@ -20,4 +20,4 @@ class MLP(nn.Module):
 
 
 def build_model(cfg, dataset):
-    return MLP(dataset.features, dataset.classes, width=cfg.width, depth=cfg.depth)
+    return MLP(dataset.features, dataset.classes, width=cfg.width, depth=cfg.depth, dropout=cfg.dropout)

@@ -28,7 +28,7 @@ log = logs.get_logger(__name__)
 AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Settings whose change on resume is worth a warning (the others, like log files, are free to change).
 RESUME_SENSITIVE = ("seed", "batch_size", "grad_accum", "lr", "warmup_steps", "weight_decay", "amp", "width", "depth",
-                    "dataset_size", "max_steps", "epochs")
+                    "dropout", "dataset_size", "max_steps", "epochs")
 
 
 @dataclass
