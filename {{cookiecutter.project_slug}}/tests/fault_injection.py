@@ -1,0 +1,107 @@
+"""Run train.py with a fault injected, for the tests. Use it in place of train.py (same arguments).
+
+The fault is chosen by environment variables:
+    FAULT=raise_at_step       rank FAULT_RANK raises at its FAULT_STEP-th optimizer step
+    FAULT=crash_in_save       rank FAULT_RANK is SIGKILLed halfway through writing FAULT_FILE ("rank" or
+                              "manifest") of the snapshot of step FAULT_STEP, leaving a temp file behind
+    FAULT=kill_after_commit   rank 0 is SIGKILLed right after it commits the snapshot of step FAULT_STEP
+    FAULT_ONCE=<path>         fire only if <path> does not exist (it is created on firing), so a restart runs clean
+    NO_RNG_RESTORE=1          resume without restoring the random streams (to prove the resume test can fail)
+    COUNT_ALLREDUCE=1         print "gradient all-reduces: N" on rank 0 at exit
+"""
+
+import atexit
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import train  # noqa: E402
+from {{ cookiecutter.project_slug }} import snapshot, trainer  # noqa: E402
+
+FAULT = os.environ.get("FAULT", "")
+RANK = int(os.environ.get("RANK", 0))
+FAULT_RANK = int(os.environ.get("FAULT_RANK", 0))
+FAULT_STEP = int(os.environ.get("FAULT_STEP", 0))
+
+
+def should_fire():
+    marker = os.environ.get("FAULT_ONCE")
+    if marker:
+        if os.path.exists(marker):
+            return False
+        Path(marker).touch()
+    return True
+
+
+def die_halfway(path):
+    """What a crash in the middle of a write leaves behind: a partial temp file, and no process."""
+    with open(f"{path}.tmp-{os.getpid()}", "wb") as handle:
+        handle.write(b"\0" * 1000)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def in_target_save(path):
+    return os.path.basename(os.path.dirname(path)) == snapshot.step_name(FAULT_STEP)
+
+
+if FAULT == "raise_at_step" and RANK == FAULT_RANK:
+    original_step = trainer._train_step
+    calls = [0]
+
+    def failing_step(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == FAULT_STEP and should_fire():
+            raise RuntimeError(f"injected failure on rank {RANK} at step {FAULT_STEP}")
+        return original_step(*args, **kwargs)
+
+    trainer._train_step = failing_step
+
+if FAULT == "crash_in_save" and RANK == FAULT_RANK:
+    target = snapshot.MANIFEST if os.environ.get("FAULT_FILE") == "manifest" else snapshot.rank_file(RANK)
+    original_write = snapshot.write_atomic
+
+    def crashing_write(path, write):
+        if os.path.basename(path) == target and in_target_save(path) and should_fire():
+            die_halfway(path)
+        return original_write(path, write)
+
+    snapshot.write_atomic = crashing_write
+
+if FAULT == "kill_after_commit" and RANK == 0:
+    original_commit = snapshot.Snapshots._commit
+
+    def commit_then_die(self, folder, step):
+        original_commit(self, folder, step)
+        if step == FAULT_STEP and should_fire():
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    snapshot.Snapshots._commit = commit_then_die
+
+if os.environ.get("NO_RNG_RESTORE"):
+    trainer.restore_rng = lambda state: None
+
+if os.environ.get("COUNT_ALLREDUCE"):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    calls = [0]
+
+    def counting_hook(state, bucket):
+        calls[0] += 1
+        return allreduce_hook(None, bucket)
+
+    class CountingDDP(trainer.DistributedDataParallel):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.register_comm_hook(None, counting_hook)
+
+    trainer.DistributedDataParallel = CountingDDP
+    if RANK == 0:
+        atexit.register(lambda: print(f"gradient all-reduces: {calls[0]}", flush=True))
+
+if __name__ == "__main__":
+    train.main(sys.argv[1:])

@@ -1,0 +1,110 @@
+"""Training runs for real: one process, torchrun on gloo, logging per rank, wandb offline, resume."""
+
+import collections
+import json
+import logging
+import re
+import sys
+
+from conftest import QUICK, ROOT, child_env, outputs, run, train_cmd
+
+INFO_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d INFO \[rank (\d+)\] (.*)$", re.M)
+
+
+def test_single_process_trains_and_summarizes(tmp_path):
+    result = run(train_cmd() + QUICK + ["--max-steps", "30", "--snapshot-every", "10"] + outputs(tmp_path))
+    assert "rank 0 of 1, backend none, device cpu" in result.stdout
+    match = re.search(r"done: 1 rank\(s\), 30 steps, loss ([\d.]+) -> ([\d.]+)", result.stdout)
+    assert match and float(match.group(2)) < float(match.group(1))
+    assert sorted(p.name for p in (tmp_path / "run-snapshots").glob("step-*")) == [
+        "step-00000010", "step-00000020", "step-00000030"]
+    assert "done: 1 rank(s), 30 steps" in (tmp_path / "run.log").read_text()
+
+
+def test_two_ranks_log_each_info_record_once(tmp_path):
+    result = run(train_cmd(nproc=2) + QUICK + ["--max-steps", "20"] + outputs(tmp_path))
+    records = INFO_LINE.findall(result.stdout)
+    assert records, result.stdout
+    assert {rank for rank, _ in records} == {"0"}, "INFO records must come from rank 0 only"
+    counts = collections.Counter(message for _, message in records)
+    assert max(counts.values()) == 1, f"repeated records: {[m for m, n in counts.items() if n > 1]}"
+    assert "rank 0 of 2, backend gloo, device cpu" in result.stdout
+    assert "done: 2 rank(s), 20 steps" in result.stdout
+
+
+def test_error_on_rank_1_reaches_console_tagged_and_torchrun_summary(tmp_path):
+    cmd = train_cmd(nproc=2, script="tests/fault_injection.py") + QUICK + ["--max-steps", "30"] + outputs(tmp_path)
+    result = run(cmd, env=child_env(FAULT="raise_at_step", FAULT_RANK=1, FAULT_STEP=5), check=False)
+    assert result.returncode != 0
+    assert re.search(r"ERROR \[rank 1\] .*training failed", result.stdout), result.stdout[-4000:]
+    assert "Traceback" in result.stdout
+    assert "RuntimeError: injected failure on rank 1 at step 5" in result.stdout
+    # torchrun's failure summary names the rank and its exception (from @record's error file).
+    summary = result.stdout[result.stdout.find("Root Cause"):]
+    assert "rank      : 1" in summary and "injected failure on rank 1" in summary, summary
+    assert "[rank 1]" in (tmp_path / "run.log").read_text(), "other ranks' errors must reach the log file too"
+
+
+def test_debug_all_ranks_and_per_rank_log_files(tmp_path):
+    log_file = str(tmp_path / "rank{rank}.log")
+    cmd = train_cmd(nproc=2) + QUICK + ["--max-steps", "5", "--snapshot-dir", str(tmp_path / "s"), "--log-file", log_file]
+    result = run(cmd, env=child_env(DEBUG_ALL_RANKS=1))
+    assert re.search(r"DEBUG \[rank 1\] .*rank 1 of 2 up", result.stdout)
+    assert re.search(r"INFO \[rank 1\]", result.stdout), "DEBUG_ALL_RANKS=1 puts every rank's records on the console"
+    rank1 = (tmp_path / "rank1.log").read_text()
+    assert "DEBUG [rank 1]" in rank1 and "[rank 0]" not in rank1
+
+
+def test_quiet_ranks_stay_quiet_without_debug_all_ranks(tmp_path):
+    result = run(train_cmd(nproc=2) + QUICK + ["--max-steps", "5"] + outputs(tmp_path))
+    assert "[rank 1]" not in result.stdout
+
+
+def test_logging_setup_twice_adds_no_duplicate_handlers(capfd):
+    sys.path.insert(0, str(ROOT))
+    from {{ cookiecutter.project_slug }} import logs
+
+    logs.setup(0)
+    logs.setup(0)
+    logging.getLogger("{{ cookiecutter.project_slug }}.test").info("hello once")
+    assert capfd.readouterr().err.count("hello once") == 1
+
+
+def test_wandb_offline_makes_one_run_on_rank_0_and_keeps_its_id_on_relaunch(tmp_path):
+    env = child_env(WANDB_DIR=tmp_path, WANDB_SILENT="true")
+    args = ["--wandb", "offline", "--dataset-size", "2048", "--width", "64", "--snapshot-every", "10"] + outputs(tmp_path)
+    run(train_cmd(nproc=2) + args + ["--max-steps", "10"], env=env)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs
+    run_id = json.loads((tmp_path / "run-snapshots" / "run.json").read_text())["run_id"]
+    assert runs[0].name.endswith(run_id)
+
+    result = run(train_cmd(nproc=2) + args + ["--max-steps", "20"], env=env)
+    assert "resuming from step 10 of 20" in result.stdout
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(run_id) for r in runs), runs
+
+
+def test_second_launch_resumes_from_the_snapshot(tmp_path):
+    base = train_cmd(nproc=2) + QUICK + ["--snapshot-every", "10"] + outputs(tmp_path)
+    run(base + ["--max-steps", "20"])
+    result = run(base + ["--max-steps", "30"])
+    assert "resuming from step 20 of 30" in result.stdout
+    assert "resuming with changed settings: max_steps 20 -> 30" in result.stdout
+    assert "done: 2 rank(s), 30 steps (resumed at step 20)" in result.stdout
+
+
+def test_gradient_accumulation_skips_the_all_reduce_on_early_micro_steps(tmp_path):
+    cmd = train_cmd(nproc=2, script="tests/fault_injection.py") + QUICK + ["--max-steps", "6", "--snapshot-every", "100"]
+    counts = {}
+    for accum in (1, 4):
+        result = run(cmd + ["--grad-accum", str(accum)] + outputs(tmp_path, f"accum{accum}"),
+                     env=child_env(COUNT_ALLREDUCE=1))
+        counts[accum] = int(re.search(r"gradient all-reduces: (\d+)", result.stdout).group(1))
+    assert counts[1] > 0 and counts[4] == counts[1], counts
+
+
+def test_mixed_precision_bf16_trains(tmp_path):
+    result = run(train_cmd(nproc=2) + QUICK + ["--max-steps", "30", "--amp", "bf16", "--grad-accum", "2"] + outputs(tmp_path))
+    match = re.search(r"loss ([\d.]+) -> ([\d.]+)", result.stdout)
+    assert match and float(match.group(2)) < float(match.group(1))
