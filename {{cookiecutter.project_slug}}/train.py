@@ -33,8 +33,8 @@ def main(argv=None):
         finished = True
     except SystemExit:
         raise
-    except BaseException:
-        log.exception("training failed")  # tagged with this rank, then re-raised for torchrun to see
+    except BaseException as exc:
+        logs.log_failure(log, exc)  # tagged with this rank, then re-raised for torchrun to see
         raise
     finally:
         distributed.teardown(clean=finished)

@@ -77,7 +77,22 @@ def setup(rank, log_file="", level=logging.INFO):
     root.setLevel(max(lowest, logging.INFO))  # other libraries' DEBUG chatter stays out
     logging.getLogger(__package__).setLevel(lowest)
     logging.captureWarnings(True)  # warnings.warn() from any rank shows up tagged, like a log record
+    sys.excepthook = _excepthook
 
 
 def get_logger(name):
     return logging.getLogger(name)
+
+
+def log_failure(logger, exc):
+    """Log an exception that is about to end this rank: once, tagged, with its traceback."""
+    if isinstance(exc, KeyboardInterrupt):
+        logger.warning("interrupted")
+    else:
+        logger.error("training failed", exc_info=exc)
+        exc.already_logged = True
+
+
+def _excepthook(kind, value, traceback, previous=sys.excepthook):
+    if not getattr(value, "already_logged", False):  # already on the console, tagged with the rank
+        previous(kind, value, traceback)
