@@ -1,0 +1,183 @@
+"""The template: bakes with every choice and awkward text, refuses bad answers, and its projects pass their tests."""
+
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+AWKWARD = {
+    "project_name": 'Ünïcode "Quoted" O\'Brien \\ 🚀',
+    "project_slug": "awkward_project",
+    "description": 'Says "hi", it\'s got \\backslashes\\, tabs\tand emoji 🤖 — and {braces}',
+    "author": "Zoë O'Connor \"ZO\" \\",
+}
+
+
+def bake(tmp_path, **answers):
+    """Bake with cookiecutter's command line, as a user would; return the project folder."""
+    cmd = [sys.executable, "-m", "cookiecutter", "--no-input", str(ROOT), "-o", str(tmp_path)]
+    result = subprocess.run(cmd + [f"{k}={v}" for k, v in answers.items()], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    (project,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    return project
+
+
+def run_in(project, *args, check=True, timeout=300, **env):
+    result = subprocess.run([sys.executable, *args], cwd=project, capture_output=True, text=True, timeout=timeout,
+                            env={**_clean_env(), **env})
+    if check:
+        assert result.returncode == 0, f"{args} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result
+
+
+def _clean_env():
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith(("DEBUG_", "WANDB_", "PYTEST_"))}
+
+
+def strip_jsonc(text):
+    """JSON with comments and trailing commas -> JSON, leaving string contents alone."""
+    out, i, in_string = [], 0, False
+    while i < len(text):
+        char = text[i]
+        if in_string:
+            out.append(char)
+            if char == "\\":
+                out.append(text[i + 1])
+                i += 1
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+            out.append(char)
+        elif text.startswith("//", i):
+            i = text.find("\n", i) - 1 if "\n" in text[i:] else len(text)
+        elif text.startswith("/*", i):
+            i = text.index("*/", i) + 1
+        else:
+            out.append(char)
+        i += 1
+    return re.sub(r",(\s*[}\]])", r"\1", "".join(out))
+
+
+def test_defaults_bake_a_project_that_passes_its_own_tests(tmp_path):
+    project = bake(tmp_path)
+    assert project.name == "ddp_project"
+    for name in ["train.py", "pyproject.toml", "README.md", ".vscode/launch.json", "ddp_project/snapshot.py",
+                 "tests/conftest.py"]:
+        assert (project / name).is_file(), name
+    assert list((project / "scripts").glob("*.sbatch"))
+    result = run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", timeout=900)
+    summary = result.stdout.strip().splitlines()[-1]
+    assert re.search(r"\d+ passed", summary) and "failed" not in summary, summary
+    print(f"baked project's own tests: {summary}")
+
+
+def test_slug_is_derived_from_the_name(tmp_path):
+    project = bake(tmp_path, project_name="My Cool-Project")
+    assert project.name == "my_cool_project"
+    assert (project / "my_cool_project" / "trainer.py").is_file()
+
+
+def test_awkward_text_bakes_into_valid_python_toml_and_json(tmp_path):
+    project = bake(tmp_path, **AWKWARD)
+    run_in(project, "-m", "compileall", "-q", ".")
+    meta = tomllib.loads((project / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    assert meta["description"] == AWKWARD["description"]
+    assert meta["authors"] == [{"name": AWKWARD["author"]}]
+    for path in (project / ".vscode").glob("*.json"):
+        json.loads(strip_jsonc(path.read_text(encoding="utf-8")))
+    shown = run_in(project, "-c", "from awkward_project import baked; print(ascii(baked.PROJECT_NAME))").stdout
+    assert shown.strip() == ascii(AWKWARD["project_name"])
+    assert AWKWARD["project_name"] in (project / "README.md").read_text(encoding="utf-8")
+    # setuptools validates the metadata while building the wheel.
+    run_in(project, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "wheel"), ".")
+    assert list((tmp_path / "wheel").glob("awkward_project-0.1.0-*.whl"))
+    assert "--snapshot-every" in run_in(project, "train.py", "--help").stdout
+
+
+def test_use_wandb_no_leaves_wandb_out(tmp_path):
+    project = bake(tmp_path, use_wandb="no")
+    assert "wandb" not in tomllib.loads((project / "pyproject.toml").read_text())["project"]["dependencies"]
+    probe = ("import sys, train; train.main(['--max-steps', '3', '--dataset-size', '512']); "
+             "print('wandb imported:', 'wandb' in sys.modules)")
+    result = run_in(project, "-c", probe)
+    assert "wandb imported: False" in result.stdout
+    assert not (project / "wandb").exists()
+
+
+def test_use_wandb_yes_defaults_to_offline_without_an_api_key(tmp_path):
+    project = bake(tmp_path, use_wandb="yes")
+    assert any(d.startswith("wandb") for d in tomllib.loads((project / "pyproject.toml").read_text())["project"]["dependencies"])
+    probe = "from ddp_project import config; print(config.parse_args([]).wandb)"
+    assert run_in(project, "-c", probe, HOME=str(tmp_path)).stdout.strip() == "offline"
+
+
+@pytest.mark.parametrize("backend", ["auto", "gloo", "nccl"])
+def test_backend_choice_is_the_default_and_can_be_overridden(tmp_path, backend):
+    project = bake(tmp_path, backend=backend)
+    assert f"(default: {backend})" in " ".join(run_in(project, "train.py", "--help").stdout.split())
+    args = ["train.py", "--max-steps", "2", "--dataset-size", "512", "--wandb", "disabled"]
+    result = run_in(project, *args, check=False)
+    if backend == "nccl" and "cuda" not in run_in(project, "-c", "import torch; print(torch.cuda.is_available() and 'cuda')").stdout:
+        assert result.returncode != 0 and "--backend nccl needs CUDA GPUs" in result.stderr
+        run_in(project, *args, "--backend", "gloo")
+    else:
+        assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_nproc_and_debug_port_reach_every_place_that_uses_them(tmp_path):
+    project = bake(tmp_path, nproc_per_node="4", debug_port="6000")
+    launch = json.loads(strip_jsonc((project / ".vscode" / "launch.json").read_text()))
+    f5 = next(c for c in launch["configurations"] if c.get("module") == "torch.distributed.run")
+    assert "--nproc_per_node=4" in f5["args"]
+    assert "6003" in (project / ".vscode" / "launch.json").read_text()
+    assert "--nproc_per_node=4" in (project / "README.md").read_text()
+    shown = run_in(project, "-c", "from ddp_project import baked; print(baked.NPROC_PER_NODE, baked.DEBUG_PORT)").stdout
+    assert shown.split() == ["4", "6000"]
+
+
+BAD = [
+    ("project_slug", "my-project", "is not a Python identifier"),
+    ("project_slug", "class", "is a Python keyword"),
+    ("project_slug", "torch", "shadows the module 'torch'"),
+    ("project_slug", "logging", "shadows the module 'logging'"),
+    ("project_slug", "wandb", "shadows the module 'wandb'"),
+    ("project_slug", "debugpy", "shadows the module 'debugpy'"),
+    ("project_slug", "1st", "is not a Python identifier"),
+    ("nproc_per_node", "0", "is not an integer >= 1"),
+    ("nproc_per_node", "two", "is not an integer >= 1"),
+    ("nproc_per_node", "-1", "is not an integer >= 1"),
+    ("debug_port", "80", "is out of range"),
+    ("debug_port", "65535", "is out of range"),  # with 2 ranks, rank 1 would need 65536
+    ("debug_port", "port", "is not an integer"),
+    ("wandb_project", "a/b", "is not a valid wandb project name"),
+    ("project_name", "two\nlines", "contains a line break"),
+]
+
+
+@pytest.mark.parametrize("key, value, reason", BAD, ids=[f"{k}={v!r}" for k, v, _ in BAD])
+def test_bad_answer_stops_the_bake_with_one_clear_line(tmp_path, key, value, reason):
+    answers = {key: value}
+    if key == "project_name":
+        answers["project_slug"] = "fine_slug"
+    cmd = [sys.executable, "-m", "cookiecutter", "--no-input", str(ROOT), "-o", str(tmp_path)]
+    result = subprocess.run(cmd + [f"{k}={v}" for k, v in answers.items()], capture_output=True, text=True)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr
+    assert errors[0].startswith(f"error: {key}={value!r} {reason}") and "allowed" in errors[0], errors[0]
+    assert list(tmp_path.iterdir()) == [], "a refused bake must leave nothing behind"
+
+
+def test_choice_keys_refuse_unknown_values(tmp_path):
+    cmd = [sys.executable, "-m", "cookiecutter", "--no-input", str(ROOT), "-o", str(tmp_path), "backend=mpi"]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode != 0 and "mpi" in result.stderr + result.stdout
+    assert list(tmp_path.iterdir()) == []
