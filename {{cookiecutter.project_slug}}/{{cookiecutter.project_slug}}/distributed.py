@@ -17,6 +17,7 @@ from . import debug, logs
 
 log = logs.get_logger(__name__)
 
+_control_group = None  # a gloo group for small control messages when the main backend is nccl
 LONG_TIMEOUT = datetime.timedelta(days=1)  # while a debugger may hold a rank at a breakpoint
 PROBE_TIMEOUT = datetime.timedelta(seconds=2)
 
@@ -150,6 +151,11 @@ def init(env, cfg):
             device_id=device if device.type == "cuda" else None,
         )
         env = DistEnv(env.rank, env.local_rank, env.world_size, env.local_world_size, backend, device)
+        if backend == "nccl":
+            # Control messages (agreement on snapshots, stop requests) stay on CPU, so reading their result
+            # never waits for the GPU stream.
+            global _control_group
+            _control_group = dist.new_group(backend="gloo", timeout=timeout)
     threads = set_cpu_threads(env, cfg.threads_per_rank) if device.type == "cpu" else torch.get_num_threads()
     log.debug("rank %d of %d up: backend %s, device %s, %d CPU threads", env.rank, env.world_size, env.backend,
               env.device, threads)
@@ -160,25 +166,32 @@ def init(env, cfg):
 def teardown(clean):
     """Leave the process group. After a clean finish, ranks first wait for each other, so rank 0 (which serves the
     store) does not leave while others still use it; after a failure they don't: the others may never arrive."""
+    global _control_group
     if dist.is_available() and dist.is_initialized():
         if clean:
-            dist.barrier()
+            dist.barrier(group=_control_group)
         dist.destroy_process_group()
+    _control_group = None
 
 
-# Collectives that are no-ops in a single process, so callers need not ask.
+def control_group():
+    """The process group for control messages: CPU tensors, gloo. None means the default group (already gloo)."""
+    return _control_group
+
+
+# Collectives that are no-ops in a single process, so callers need not ask. Control messages use CPU tensors.
 
 def barrier(env):
     if env.is_distributed:
-        dist.barrier()
+        dist.barrier(group=_control_group)
 
 
 def all_min_max(env, value):
     """(min, max) of an integer over all ranks."""
     if not env.is_distributed:
         return value, value
-    both = torch.tensor([value, -value], dtype=torch.int64, device=_collective_device(env))
-    dist.all_reduce(both, op=dist.ReduceOp.MIN)
+    both = torch.tensor([value, -value], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MIN, group=_control_group)
     return int(both[0]), -int(both[1])
 
 
@@ -191,7 +204,7 @@ def broadcast_object(env, obj):
     if not env.is_distributed:
         return obj
     holder = [obj]
-    dist.broadcast_object_list(holder, src=0, device=_collective_device(env))
+    dist.broadcast_object_list(holder, src=0, group=_control_group, device=torch.device("cpu"))
     return holder[0]
 
 
@@ -199,10 +212,6 @@ def all_mean(env, tensor):
     """Mean of a tensor over ranks (a copy; the input is left alone)."""
     if not env.is_distributed:
         return tensor.clone()
-    out = tensor.detach().clone().to(_collective_device(env))
+    out = tensor.detach().clone()
     dist.all_reduce(out)
     return out / env.world_size
-
-
-def _collective_device(env):
-    return env.device if env.backend == "nccl" else torch.device("cpu")

@@ -97,7 +97,7 @@ class StopRequest:
         self.signal = 0  # the signal this rank received
         self.stopped = False  # set on every rank at the same step once the ranks agree to stop
         self._pending = None
-        self._flag = torch.zeros(1, dtype=torch.int64, device=env.device if env.backend == "nccl" else "cpu")
+        self._flag = torch.zeros(1, dtype=torch.int64)
         self._previous = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame):
@@ -113,7 +113,8 @@ class StopRequest:
             self.stopped = bool(self._flag.item())
             self.signal = self.signal or int(self._flag.item())
         self._flag.fill_(self.signal)
-        self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
+        self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=distributed.control_group(),
+                                        async_op=True)
         return self.stopped
 
     def close(self):
