@@ -40,6 +40,9 @@ SHARED = "shared.pt"
 RUN_FILE = "run.json"
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 COMMIT_TIMEOUT_S = 1800.0  # rank 0 waits this long for every rank's receipt before a save counts as failed
+# How long a rank waits to see a file another machine just wrote to a shared folder: network filesystems cache
+# directory listings and failed lookups for a while (NFS: up to 30 s by default).
+SHARED_FOLDER_WAIT_S = 30.0
 
 
 class SnapshotError(RuntimeError):
@@ -224,6 +227,16 @@ def restore_rng(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _eventually(check, timeout=SHARED_FOLDER_WAIT_S):
+    """Poll check() until it is true or the timeout passes; return its last result."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
 def _copy_to_cpu(obj):
     """A deep copy with every tensor copied to CPU memory: what the writer thread serializes."""
     if isinstance(obj, torch.Tensor):
@@ -268,7 +281,7 @@ class Snapshots:
         if problem:
             raise SnapshotError(problem)
         probe = os.path.join(self.directory, f".probe-{token}")
-        seen = distributed.all_true(env, os.path.exists(probe))
+        seen = distributed.all_true(env, _eventually(lambda: os.path.exists(probe)))
         distributed.barrier(env)
         if env.is_main:
             os.remove(probe)
@@ -329,8 +342,18 @@ class Snapshots:
         """
         env = self.env
         committed = list_steps(self.directory)[0]
-        newest = committed[0] if committed else -1
-        low, high = distributed.all_min_max(env, newest)
+
+        def newest():
+            return committed[0] if committed else -1
+
+        def caught_up():
+            committed[:] = list_steps(self.directory)[0]
+            return newest() == high
+
+        low, high = distributed.all_min_max(env, newest())
+        if low != high:  # a lagging view of a shared folder may need a moment to show the newest snapshot
+            _eventually(caught_up)
+            low, high = distributed.all_min_max(env, newest())
         if low != high:
             raise SnapshotError(
                 f"ranks disagree on the newest snapshot in {self.directory} (step {low} on some ranks, {high} on "
