@@ -108,3 +108,43 @@ def test_mixed_precision_bf16_trains(tmp_path):
     result = run(train_cmd(nproc=2) + QUICK + ["--max-steps", "30", "--amp", "bf16", "--grad-accum", "2"] + outputs(tmp_path))
     match = re.search(r"loss ([\d.]+) -> ([\d.]+)", result.stdout)
     assert match and float(match.group(2)) < float(match.group(1))
+
+
+def test_unwritable_snapshot_folder_fails_at_start_up(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("a file where a folder should be")
+    cmd = train_cmd(nproc=2) + QUICK + ["--max-steps", "5", "--snapshot-dir", str(blocker / "snapshots")]
+    result = run(cmd, check=False)
+    assert result.returncode != 0
+    assert f"cannot write snapshots to {blocker}/snapshots" in result.stdout
+    assert "step 1/" not in result.stdout, "the error must come before any training"
+
+
+def test_progress_bar_on_rank_0_only(tmp_path):
+    """On a terminal, tqdm draws one bar (rank 0's), not one per rank."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    cmd = train_cmd(nproc=2) + QUICK + ["--max-steps", "20", "--log-every", "100"] + outputs(tmp_path)
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: torchrun with a terminal as its console (tqdm draws nothing 0 columns wide)
+        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        os.chdir(ROOT)
+        os.execve(cmd[0], cmd, child_env())
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    _, status = os.waitpid(pid, 0)
+    screen = b"".join(chunks).decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 0, screen[-3000:]
+    bars_started = re.findall(r"\| 0/20 \[", screen)
+    assert len(bars_started) == 1, screen[-3000:]
