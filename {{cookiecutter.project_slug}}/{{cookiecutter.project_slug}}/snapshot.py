@@ -41,8 +41,9 @@ RUN_FILE = "run.json"
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 COMMIT_TIMEOUT_S = 1800.0  # rank 0 waits this long for every rank's receipt before a save counts as failed
 # How long a rank waits to see a file another machine just wrote to a shared folder: network filesystems cache
-# directory listings and failed lookups for a while (NFS: up to 30 s by default).
-SHARED_FOLDER_WAIT_S = 30.0
+# directory listings and failed lookups for a while (NFS: up to 30 s by default). Set SHARED_FOLDER_WAIT_S in the
+# environment for a filesystem that lags longer, or to fail faster where there is none.
+SHARED_FOLDER_WAIT_S = float(os.environ.get("SHARED_FOLDER_WAIT_S", "30"))
 
 
 class SnapshotError(RuntimeError):
@@ -277,19 +278,20 @@ class Snapshots:
         problem, token = None, None
         if env.is_main:
             problem, token = self._check_folder(estimated_bytes)
-        problem, token = distributed.broadcast_object(env, (problem, token))
+        problem, token, main_directory = distributed.broadcast_object(env, (problem, token, self.directory))
         if problem:
             raise SnapshotError(problem)
         probe = os.path.join(self.directory, f".probe-{token}")
-        seen = distributed.all_true(env, _eventually(lambda: os.path.exists(probe)))
+        visible = _eventually(lambda: os.path.exists(probe))
+        seen = distributed.all_true(env, visible)
         distributed.barrier(env)
         if env.is_main:
             os.remove(probe)
         if not seen:
             raise SnapshotError(
-                f"not every rank sees the snapshot folder {self.directory} that rank 0 writes to (rank {env.rank} "
-                f"{'does' if os.path.exists(probe) else 'does not'}): on several machines, --snapshot-dir must be a "
-                "folder they all share"
+                f"not every rank sees the snapshot folder {main_directory} that rank 0 writes to (rank {env.rank} "
+                f"{'does' if visible else f'does not, looking in {self.directory}'}): on several machines, "
+                "--snapshot-dir must be a folder they all share"
             )
         run_id = self._read_or_create_run_id() if env.is_main else None
         return distributed.broadcast_object(env, run_id)
