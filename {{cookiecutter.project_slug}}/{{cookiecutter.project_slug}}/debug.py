@@ -11,12 +11,11 @@ debugger (DEBUGPY_RUNNING is set) and nothing here is needed. With no DEBUG_* va
 not even imported.
 """
 
+import ipaddress
 import os
 import sys
 
 from . import baked
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def requested():
@@ -39,6 +38,15 @@ def chosen_ranks(value, world_size):
     return ranks
 
 
+def is_loopback(host):
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: assume it reaches other machines
+        return False
+
+
 def debug_address(local_rank):
     host = os.environ.get("DEBUG_HOST", "127.0.0.1")
     base_text = os.environ.get("DEBUG_PORT", str(baked.DEBUG_PORT))
@@ -56,7 +64,7 @@ def wait_for_debugger(env):
 
     if env.rank in chosen_ranks(value, env.world_size):
         host, port = debug_address(env.local_rank)
-        if host not in LOOPBACK:
+        if not is_loopback(host):
             print(
                 f"[rank {env.rank}] WARNING: debugpy listens on {host}:{port}, reachable from other machines; "
                 "whoever connects can run any code as you. Prefer 127.0.0.1 and an SSH tunnel.",
