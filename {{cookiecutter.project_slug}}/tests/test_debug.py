@@ -1,0 +1,464 @@
+"""Debugging for real: debugpy over the Debug Adapter Protocol, torchrun on gloo, and no VSCode.
+
+The client in dap.py does what VSCode does with .vscode/launch.json and tasks.json: it substitutes their
+variables, runs the tasks, launches `python -m debugpy.adapter` or connects to a rank that listens, sets a
+breakpoint in the training loop, and reads variables where it stops.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+import dap
+from {{ cookiecutter.project_slug }} import baked
+from conftest import PACKAGE, QUICK, ROOT, child_env, finish, free_port, outputs, run, start, train_cmd
+
+VSCODE = ROOT / ".vscode"
+WAITING = re.compile(r"^rank (\d+) waiting for debugger on (\S+):(\d+)$", re.M)
+SHORT = QUICK + ["--max-steps", "10"]
+
+
+# VSCode's side: its files, their variables, its tasks.
+
+def load_jsonc(path):
+    """Parse JSON with // and /* */ comments, as VSCode reads its settings files (strings left alone)."""
+    text, out, i = path.read_text(), [], 0
+    while i < len(text):
+        if text[i] == '"':
+            end = i + 1
+            while text[end] != '"':
+                end += 2 if text[end] == "\\" else 1
+            out.append(text[i:end + 1])
+            i = end + 1
+        elif text.startswith("//", i):
+            i = text.find("\n", i) if "\n" in text[i:] else len(text)
+        elif text.startswith("/*", i):
+            i = text.index("*/", i) + 2
+        else:
+            out.append(text[i])
+            i += 1
+    return json.loads("".join(out))  # strict: no trailing commas either
+
+
+def vscode_variables(workspace):
+    """The values VSCode gives its predefined variables, with train.py as the file open in the editor."""
+    file = workspace / "train.py"
+    return {
+        "workspaceFolder": str(workspace), "workspaceRoot": str(workspace),
+        "workspaceFolderBasename": workspace.name, "file": str(file), "fileBasename": file.name,
+        "fileBasenameNoExtension": file.stem, "fileExtname": file.suffix, "fileDirname": str(file.parent),
+        "fileWorkspaceFolder": str(workspace), "relativeFile": file.name, "relativeFileDirname": "",
+        "cwd": str(workspace), "userHome": os.path.expanduser("~"), "pathSeparator": os.sep, "lineNumber": "1",
+        "command:python.interpreterPath": sys.executable,  # the interpreter selected in VSCode
+    }
+
+
+def resolve(value, workspace, inputs=(), choose=None):
+    """Substitute ${...} as VSCode does; any variable VSCode could not resolve fails the test."""
+    if isinstance(value, dict):
+        return {key: resolve(item, workspace, inputs, choose) for key, item in value.items()}
+    if isinstance(value, list):
+        return [resolve(item, workspace, inputs, choose) for item in value]
+    if not isinstance(value, str):
+        return value
+    known = vscode_variables(workspace)
+    declared = {spec["id"]: spec for spec in inputs}
+
+    def substitute(match):
+        name = match.group(1)
+        if name in known:
+            return known[name]
+        if name.startswith("env:"):
+            return os.environ.get(name[4:], "")
+        if name.startswith("input:") and name[6:] in declared:
+            spec = declared[name[6:]]
+            assert spec["type"] == "pickString", spec
+            values = [option["value"] if isinstance(option, dict) else option for option in spec["options"]]
+            chosen = choose(spec) if choose else spec.get("default", values[0])
+            assert chosen in values, f"{chosen!r} is not an option of input {spec['id']}"
+            return chosen
+        raise AssertionError(f"VSCode cannot resolve {match.group(0)} in {value!r}")
+
+    return re.sub(r"\$\{([^}]+)\}", substitute, value)
+
+
+def launch_json():
+    return load_jsonc(VSCODE / "launch.json")
+
+
+def tasks_json():
+    return load_jsonc(VSCODE / "tasks.json")
+
+
+def configuration(name):
+    found = [config for config in launch_json()["configurations"] if config["name"] == name]
+    assert len(found) == 1, f"launch.json needs exactly one configuration named {name!r}"
+    return found[0]
+
+
+def task(label):
+    found = [spec for spec in tasks_json()["tasks"] if spec["label"] == label]
+    assert len(found) == 1, f"tasks.json needs exactly one task labelled {label!r}"
+    return found[0]
+
+
+def baked_ranks():
+    """The ranks of one machine, and the base debug port, that the configurations were made for."""
+    return list(range(baked.NPROC_PER_NODE)), baked.DEBUG_PORT
+
+
+def loop_line(trainer):
+    """The training-loop line that runs one optimizer step, found by its text so edits elsewhere don't move it."""
+    lines = [n for n, text in enumerate(trainer.read_text().splitlines(), 1) if re.search(r"\+= _train_step\(", text)]
+    assert len(lines) == 1, f"expected one `... += _train_step(` line in {trainer}, found {lines}"
+    return lines[0]
+
+
+def line_after(trainer, line):
+    """The next line of the loop, for a second breakpoint."""
+    lines = trainer.read_text().splitlines()
+    return next(n for n in range(line + 1, len(lines) + 1) if lines[n - 1].strip())
+
+
+def workspace_copy(tmp_path):
+    """A copy of the project to open "in VSCode": debug runs write their snapshots and logs there, not here."""
+    workspace = tmp_path / ROOT.name
+    workspace.mkdir()
+    shutil.copy(ROOT / "train.py", workspace)
+    for folder in (PACKAGE, ".vscode"):
+        shutil.copytree(ROOT / folder, workspace / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    return workspace
+
+
+# The job's side.
+
+class Job:
+    """A run whose output goes to a file: a pipe could be held open by debugpy's adapter after the job ends."""
+
+    def __init__(self, cmd, env, log, cwd=ROOT):
+        self.log = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def output(self):
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, pattern, count=1, timeout=120):
+        """The first `count` matches of pattern in the output, waiting for them."""
+        pattern = re.compile(pattern, re.M) if isinstance(pattern, str) else pattern
+        deadline = time.monotonic() + timeout
+        while True:
+            found = list(pattern.finditer(self.output()))
+            if len(found) >= count:
+                return found[:count]
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"{len(found)} of {count} lines matching {pattern!r} (exit code {self.proc.poll()}):\n"
+                            f"{self.output()[-6000:]}")
+            time.sleep(0.05)
+
+    def finish(self, timeout=120):
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"still running after {timeout} s:\n{self.output()[-6000:]}")
+
+    def kill(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture
+def cleanup():
+    """Things to close or kill when a test ends, however it ends."""
+    items = []
+    yield items
+    for item in reversed(items):
+        try:
+            item.close() if hasattr(item, "close") else item.kill()
+        except Exception:
+            pass
+
+
+def attach(port, breakpoints, cleanup):
+    """Attach to a rank that waits for a debugger, as the attach configurations do."""
+    session = dap.Session.connect("127.0.0.1", port, name=f"port {port}")
+    cleanup.append(session)
+    session.start("attach", {"connect": {"host": "127.0.0.1", "port": port}, "justMyCode": True}, breakpoints)
+    return session
+
+
+def resume(session, trainer):
+    """Clear the breakpoints and continue, as a user does once done with a rank."""
+    session.set_breakpoints(trainer, [])
+    session.request("continue", threadId=0)
+
+
+# The configuration files.
+
+def test_vscode_files_parse_and_every_variable_resolves(tmp_path):
+    ranks, base_port = baked_ranks()
+    launch, tasks = launch_json(), tasks_json()
+    inputs = launch.get("inputs", [])
+    labels = {spec["label"] for spec in tasks["tasks"]}
+    names = [config["name"] for config in launch["configurations"]]
+    assert len(names) == len(set(names))
+    expected = {"torchrun (F5)", "Attach to rank N", "Python: current file", "pytest"}
+    assert expected | {f"Debug rank {rank}" for rank in ranks} <= set(names)
+    for config in launch["configurations"]:
+        assert config["type"] == "debugpy", config["name"]  # the current Python debugger, not the old "python"
+        assert "python" not in config and "pythonPath" not in config, "use the interpreter selected in VSCode"
+        assert config.get("preLaunchTask") in labels | {None}
+        resolve(config, tmp_path, inputs)
+    for spec in tasks["tasks"]:
+        resolved = resolve(spec, tmp_path)
+        assert resolved.get("command") == sys.executable, "tasks run the interpreter selected in VSCode"
+        assert not spec.get("dependsOn") or spec["dependsOn"] in labels
+
+    f5 = configuration("torchrun (F5)")
+    assert (f5["request"], f5["module"], f5.get("subProcess")) == ("launch", "torch.distributed.run", True)
+    assert f5["args"][:4] == ["--standalone", f"--nproc_per_node={len(ranks)}", "--max-restarts=0",
+                              "${workspaceFolder}/train.py"]
+
+    # "Attach to rank N" asks which rank and connects to that rank's port.
+    attach_config = configuration("Attach to rank N")
+    picks = {}
+    for rank in ranks:
+        def choose(spec, rank=rank):
+            option = next(o for o in spec["options"] if re.search(rf"\brank {rank}\b", o["label"]))
+            return option["value"]
+        picks[rank] = resolve(attach_config, tmp_path, inputs, choose)["connect"]
+    assert {rank: (c["host"], int(c["port"])) for rank, c in picks.items()} == {
+        rank: ("127.0.0.1", base_port + rank) for rank in ranks}
+
+    # "Debug rank N": its task runs torchrun with DEBUG_RANK=N; it attaches to N's port once N says so.
+    for rank in ranks:
+        config = configuration(f"Debug rank {rank}")
+        assert config["request"] == "attach"
+        assert (config["connect"]["host"], int(config["connect"]["port"])) == ("127.0.0.1", base_port + rank)
+        spec = task(config["preLaunchTask"])
+        assert spec["isBackground"] and spec["options"]["env"]["DEBUG_RANK"] == str(rank)
+        assert spec["options"]["env"]["DEBUG_PORT"] == str(base_port)
+        assert spec["args"][:5] == ["-m", "torch.distributed.run", "--standalone",
+                                    f"--nproc_per_node={len(ranks)}", "--max-restarts=0"]
+        background = spec["problemMatcher"]["background"]
+        assert background["activeOnStart"]
+        ready = f"rank {rank} waiting for debugger on 127.0.0.1:{base_port + rank}"
+        assert re.search(background["endsPattern"], ready)
+        for other in ranks + [rank + 10, rank * 10 + 1]:  # rank 1's task must not take rank 11's line
+            if other != rank:
+                assert not re.search(background["endsPattern"], f"rank {other} waiting for debugger on 127.0.0.1:1")
+        # VSCode tries beginsPattern first and skips endsPattern on a line that matched it.
+        assert not re.search(background["beginsPattern"], ready)
+
+    settings = load_jsonc(VSCODE / "settings.json")
+    assert settings["python.testing.pytestEnabled"] is True
+    extensions = load_jsonc(VSCODE / "extensions.json")["recommendations"]
+    assert {"ms-python.python", "ms-python.debugpy"} <= set(extensions)
+
+
+# Attach to chosen ranks (DEBUG_RANK).
+
+def test_attach_to_rank_2_of_3_outlives_the_collective_timeout(tmp_path, cleanup):
+    trainer = ROOT / PACKAGE / "trainer.py"
+    line = loop_line(trainer)
+    port, dist_timeout = free_port(), 2
+    started = time.monotonic()
+    job = Job(train_cmd(3) + SHORT + ["--dist-timeout", str(dist_timeout)] + outputs(tmp_path),
+              child_env(DEBUG_RANK=2, DEBUG_PORT=port, PYDEVD_DISABLE_FILE_VALIDATION=1), tmp_path / "job.log")
+    cleanup.append(job)
+    (announced,) = job.wait_for(WAITING)
+    assert announced.group(0) == f"rank 2 waiting for debugger on 127.0.0.1:{port + 2}"
+
+    session = attach(port + 2, {trainer: [line]}, cleanup)
+    stopped, frame = session.stopped_frame()
+    print(f"\nattach: {time.monotonic() - started:.1f} s from launch to the first stop")
+    assert stopped["reason"] == "breakpoint"
+    assert (frame["source"]["path"], frame["line"]) == (str(trainer), line)
+    assert session.evaluate('os.environ["RANK"]', frame["id"]) == "'2'"
+    assert session.evaluate("env.rank, env.world_size", frame["id"]) == "(2, 3)"
+
+    # Ranks 0 and 1 wait for rank 2 inside a collective; they must not give up at --dist-timeout.
+    time.sleep(dist_timeout + 2)
+    assert job.proc.poll() is None, job.output()[-6000:]
+    resume(session, trainer)
+    assert job.finish() == 0, job.output()[-6000:]
+    session.request("disconnect")
+    output = job.output()
+    assert [m.group(0) for m in WAITING.finditer(output)] == [announced.group(0)], "only rank 2 waits"
+    assert "done: 3 rank(s), 10 steps" in output
+
+
+def test_debug_rank_all_stops_every_rank_and_a_rank_condition_stops_one(tmp_path, cleanup):
+    trainer = ROOT / PACKAGE / "trainer.py"
+    line = loop_line(trainer)
+    port = free_port()
+    job = Job(train_cmd(2) + SHORT + outputs(tmp_path),
+              child_env(DEBUG_RANK="all", DEBUG_PORT=port, PYDEVD_DISABLE_FILE_VALIDATION=1), tmp_path / "job.log")
+    cleanup.append(job)
+    lines = job.wait_for(WAITING, count=2)
+    assert sorted((m.group(1), int(m.group(3))) for m in lines) == [("0", port), ("1", port + 1)]
+
+    sessions = [attach(port + rank, {trainer: [line]}, cleanup) for rank in (0, 1)]
+    ranks = set()
+    for session in sessions:
+        _, frame = session.stopped_frame()
+        assert frame["line"] == line
+        ranks.add(session.evaluate('os.environ["RANK"]', frame["id"]))
+    assert ranks == {"'0'", "'1'"}
+
+    # The README's conditional breakpoint: only rank 1 stops on the next line.
+    second = line_after(trainer, line)
+    for session in sessions:
+        session.set_breakpoints(trainer, [second], condition='os.environ["RANK"] == "1"')
+        session.request("continue", threadId=0)
+    _, frame = sessions[1].stopped_frame()
+    assert frame["line"] == second
+    resume(sessions[1], trainer)
+    assert job.finish() == 0, job.output()[-6000:]
+    for session in sessions:
+        session.request("disconnect")
+    assert len(sessions[0].events("stopped")) == 1, "rank 0 must not stop where the condition is false"
+
+
+def test_listen_errors_name_the_port_and_rank(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        base = taken.getsockname()[1] - 1  # rank 1 (local rank 1) finds its port taken
+        busy = start(train_cmd(2) + SHORT + outputs(tmp_path, "busy"),
+                     env=child_env(DEBUG_RANK=1, DEBUG_PORT=base, PYDEVD_DISABLE_FILE_VALIDATION=1))
+        # TEST-NET-1 (RFC 5737) is on no interface here: a non-loopback address that nothing can reach.
+        remote = start(train_cmd() + SHORT + outputs(tmp_path, "remote"),
+                       env=child_env(DEBUG_RANK=0, DEBUG_HOST="192.0.2.1", DEBUG_PORT=free_port(),
+                                     PYDEVD_DISABLE_FILE_VALIDATION=1))
+        busy_code, busy_out = finish(busy, timeout=120)
+        remote_code, remote_out = finish(remote, timeout=120)
+    assert busy_code != 0
+    assert f"rank 1 cannot listen for a debugger on 127.0.0.1:{base + 1}" in busy_out, busy_out[-4000:]
+    assert "Set DEBUG_PORT to a free base port" in busy_out
+    assert remote_code != 0
+    assert "WARNING: debugpy listens on 192.0.2.1" in remote_out and "Prefer 127.0.0.1" in remote_out
+    assert "rank 0 cannot listen for a debugger on 192.0.2.1:" in remote_out
+
+
+def test_without_debug_variables_debugpy_is_not_imported(tmp_path):
+    code = "import sys, train; train.main(sys.argv[1:]); print('debugpy imported:', 'debugpy' in sys.modules)"
+    result = run([sys.executable, "-c", code] + SHORT + outputs(tmp_path))
+    assert "debugpy imported: False" in result.stdout, result.stdout[-3000:]
+
+
+# The VSCode configurations, run as VSCode runs them.
+
+def run_task(spec, workspace, log, **env_overrides):
+    """Run a tasks.json process task: resolved command and args, options.cwd, options.env over our environment."""
+    resolved = resolve(spec, workspace)
+    assert resolved["type"] == "process"
+    options = resolved.get("options", {})
+    env = child_env(**{**options.get("env", {}), **env_overrides})
+    env.pop("PYTHONPATH")  # VSCode adds nothing: the workspace's train.py finds its package beside it
+    return Job([resolved["command"]] + resolved["args"], env, log, cwd=options.get("cwd", workspace))
+
+
+def test_debug_rank_task_then_attach(tmp_path, cleanup):
+    """One click on "Debug rank 1": the preLaunchTask starts torchrun, VSCode waits for its endsPattern, attaches."""
+    workspace = workspace_copy(tmp_path)
+    trainer = workspace / PACKAGE / "trainer.py"
+    line = loop_line(trainer)
+    ranks, base_port = baked_ranks()
+    rank = ranks[-1]
+    config = resolve(configuration(f"Debug rank {rank}"), workspace)
+    spec = task(config["preLaunchTask"])
+    if spec.get("dependsOn"):
+        pre = run_task(task(spec["dependsOn"]), workspace, tmp_path / "pre.log")
+        assert pre.finish() == 0, pre.output()
+    # The baked ports, shifted together to a free one, so other runs on this machine can't collide with the test.
+    port = free_port() - rank
+    shift = port - base_port
+    job = run_task(spec, workspace, tmp_path / "task.log", DEBUG_PORT=port)
+    cleanup.append(job)
+
+    matcher = spec["problemMatcher"]
+    deadline = time.monotonic() + 120
+    ready = None
+    while ready is None:  # what VSCode's background matcher does with each line of the task's output
+        for text in job.output().splitlines():
+            assert not re.search(matcher["pattern"]["regexp"], text), f"reported as a problem: {text}"
+            assert not re.search(matcher["background"]["beginsPattern"], text)
+            if re.search(matcher["background"]["endsPattern"], text):
+                ready = text
+                break
+        assert job.proc.poll() is None and time.monotonic() < deadline, job.output()[-6000:]
+        time.sleep(0.05)
+    assert WAITING.fullmatch(ready.strip()), ready
+
+    connect = config["connect"]
+    session = dap.Session.connect(connect["host"], int(connect["port"]) + shift, name=config["name"])
+    cleanup.append(session)
+    attach_args = {k: v for k, v in config.items() if k not in ("name", "preLaunchTask")}
+    attach_args["connect"] = {**connect, "port": int(connect["port"]) + shift}
+    session.start("attach", attach_args, {trainer: [line]})
+    _, frame = session.stopped_frame()
+    assert (frame["source"]["path"], frame["line"]) == (str(trainer), line)
+    assert session.evaluate('os.environ["RANK"]', frame["id"]) == repr(str(rank))
+    resume(session, trainer)
+    assert job.finish() == 0, job.output()[-6000:]
+    session.request("disconnect")
+
+
+def test_f5_stops_in_every_rank(tmp_path, cleanup):
+    """F5 on "torchrun (F5)": the adapter launches torchrun; each worker arrives as a subprocess to attach to."""
+    workspace = workspace_copy(tmp_path)
+    trainer = workspace / PACKAGE / "trainer.py"
+    line = loop_line(trainer)
+    ranks, _ = baked_ranks()
+    config = resolve(configuration("torchrun (F5)"), workspace)
+    # Its preLaunchTask removes the snapshots of earlier debug runs, or this one would resume a finished run.
+    stale = workspace / "snapshots" / "debug" / "step-00000100"
+    stale.mkdir(parents=True)
+    pre = run_task(task(config["preLaunchTask"]), workspace, tmp_path / "pre.log")
+    assert pre.finish() == 0, pre.output()
+    assert not stale.exists()
+
+    # What VSCode sends: the configuration, plus the selected interpreter added by the Python extension.
+    launch = {k: v for k, v in config.items() if k not in ("name", "preLaunchTask")}
+    launch["python"] = [sys.executable]
+    terminal_env = child_env()
+    terminal_env.pop("PYTHONPATH")
+    adapter = dap.Session.adapter(env=terminal_env)
+    adapter.terminal_env, adapter.terminal_log = terminal_env, tmp_path / "terminal.log"
+    cleanup.append(adapter)
+    breakpoints = {trainer: [line]}
+    workers = dap.Subprocesses(adapter, breakpoints)
+    cleanup.append(workers)
+    started = time.monotonic()
+    adapter.start("launch", launch, breakpoints)
+
+    sessions = workers.wait_for(len(ranks), timeout=120)
+    stopped_ranks = set()
+    for session in sessions:
+        _, frame = session.stopped_frame(timeout=120)
+        if not stopped_ranks:
+            print(f"\nF5: {time.monotonic() - started:.1f} s from launch to the first stop")
+        assert (frame["source"]["path"], frame["line"]) == (str(trainer), line)
+        stopped_ranks.add(session.evaluate('os.environ["RANK"]', frame["id"]))
+    assert stopped_ranks == {repr(str(rank)) for rank in ranks}
+
+    for session in sessions:
+        resume(session, trainer)
+    exited = adapter.wait_event("exited", timeout=180)
+    assert exited["exitCode"] == 0, adapter.terminal_log.read_text()[-6000:]
+    log = (workspace / "logs" / "debug.log").read_text()
+    assert f"done: {len(ranks)} rank(s), 100 steps" in log, log[-3000:]
+    for session in sessions + [adapter]:
+        session.request("disconnect")
