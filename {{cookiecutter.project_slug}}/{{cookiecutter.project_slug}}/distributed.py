@@ -134,6 +134,11 @@ def _advertised_host(master_addr):
         return socket.getfqdn()
 
 
+def collective_timeout(cfg):
+    """How long one rank waits for the others: --dist-timeout, or a day while a debugger may hold a rank."""
+    return LONG_TIMEOUT if debug.requested() else datetime.timedelta(seconds=cfg.dist_timeout)
+
+
 def init(env, cfg):
     """Start the process group (when under torchrun), pick the device, and let a debugger attach."""
     backend = resolve_backend(cfg.backend)
@@ -143,8 +148,7 @@ def init(env, cfg):
     if "RANK" not in os.environ:
         env = DistEnv(device=device)
     else:
-        debugging = debug.requested()
-        timeout = LONG_TIMEOUT if debugging else datetime.timedelta(seconds=cfg.dist_timeout)
+        timeout = collective_timeout(cfg)
         store = _fresh_store(env, timeout)
         dist.init_process_group(
             backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,

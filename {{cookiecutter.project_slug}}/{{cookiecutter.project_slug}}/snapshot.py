@@ -39,7 +39,6 @@ MANIFEST = "manifest.json"
 SHARED = "shared.pt"
 RUN_FILE = "run.json"
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
-COMMIT_TIMEOUT_S = 1800.0  # rank 0 waits this long for every rank's receipt before a save counts as failed
 # How long a rank waits to see a file another machine just wrote to a shared folder: network filesystems cache
 # directory listings and failed lookups for a while (NFS: up to 30 s by default). Set SHARED_FOLDER_WAIT_S in the
 # environment for a filesystem that lags longer, or to fail faster where there is none.
@@ -257,10 +256,11 @@ def _copy_to_cpu(obj):
 class Snapshots:
     """Saves and finds snapshots for one job. Every rank holds one; collectives are called on every rank."""
 
-    def __init__(self, directory, env, keep):
+    def __init__(self, directory, env, keep, commit_timeout=600.0):
         self.directory = os.path.abspath(directory)
         self.env = env
         self.keep = keep
+        self.commit_timeout = commit_timeout  # seconds rank 0 waits for every rank's part before a save fails
         self._thread = None
         self._copied = threading.Event()
         self._copied.set()
@@ -455,13 +455,13 @@ class Snapshots:
     def _commit(self, folder, step):
         """Write the manifest once every rank's receipt is in, then prune old snapshots."""
         files = {}
-        deadline = time.monotonic() + COMMIT_TIMEOUT_S
+        deadline = time.monotonic() + self.commit_timeout
         for rank in range(self.env.world_size):
             path = os.path.join(folder, receipt_file(rank))
             while not os.path.exists(path):
                 if time.monotonic() > deadline:
                     raise SnapshotError(
-                        f"rank {rank}'s part of {folder} did not appear within {COMMIT_TIMEOUT_S:.0f} s: is "
+                        f"rank {rank}'s part of {folder} did not appear within {self.commit_timeout:.0f} s: is "
                         "--snapshot-dir a folder every machine shares?"
                     )
                 time.sleep(0.01)

@@ -184,7 +184,8 @@ def train(cfg, env):
     amp_dtype = AMP_DTYPES[cfg.amp]
     scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16" and env.device.type == "cuda")
 
-    snapshots = Snapshots(cfg.snapshot_dir, env, keep=cfg.keep_snapshots)
+    snapshots = Snapshots(cfg.snapshot_dir, env, keep=cfg.keep_snapshots,
+                          commit_timeout=distributed.collective_timeout(cfg).total_seconds())
     run_id = snapshots.prepare(snapshot_bytes(model))
     progress, rng_state = Progress(), None
     resumed = snapshots.resume()
