@@ -181,3 +181,14 @@ def test_choice_keys_refuse_unknown_values(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode != 0 and "mpi" in result.stderr + result.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_template_vscode_configurations_parse_and_name_existing_tasks():
+    launch = json.loads(strip_jsonc((ROOT / ".vscode" / "launch.json").read_text()))
+    tasks = json.loads(strip_jsonc((ROOT / ".vscode" / "tasks.json").read_text()))
+    labels = {task["label"] for task in tasks["tasks"]}
+    for config in launch["configurations"]:
+        assert config["type"] == "debugpy", config["name"]
+        assert config.get("preLaunchTask", next(iter(labels))) in labels, config["name"]
+        program = config.get("program", "").replace("${workspaceFolder}", str(ROOT))
+        assert not program or Path(program).is_file(), program
