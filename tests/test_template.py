@@ -16,6 +16,8 @@ AWKWARD = {
     "description": 'Says "hi", it\'s got \\backslashes\\, tabs\tand emoji 🤖 — and {braces}',
     "author": "Zoë O'Connor \"ZO\" \\",
 }
+# The quick part of a baked project's own suite, run for every variant; the default bake runs all of it.
+FAST_OWN_TESTS = ["tests/test_snapshot.py", "tests/test_sbatch.py", "tests/test_config.py::test_help_lists_every_contract_flag"]
 
 
 def bake(tmp_path, **answers):
@@ -100,6 +102,7 @@ def test_awkward_text_bakes_into_valid_python_toml_and_json(tmp_path):
     run_in(project, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "wheel"), ".")
     assert list((tmp_path / "wheel").glob("awkward_project-0.1.0-*.whl"))
     assert "--snapshot-every" in run_in(project, "train.py", "--help").stdout
+    run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FAST_OWN_TESTS)
 
 
 def test_use_wandb_no_leaves_wandb_out(tmp_path):
@@ -110,6 +113,7 @@ def test_use_wandb_no_leaves_wandb_out(tmp_path):
     result = run_in(project, "-c", probe)
     assert "wandb imported: False" in result.stdout
     assert not (project / "wandb").exists()
+    run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FAST_OWN_TESTS)
 
 
 def test_use_wandb_yes_defaults_to_offline_without_an_api_key(tmp_path):
