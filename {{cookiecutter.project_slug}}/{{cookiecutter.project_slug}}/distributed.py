@@ -8,6 +8,7 @@ import datetime
 import os
 import secrets
 import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -112,15 +113,28 @@ def _fresh_store(env, timeout):
     deadline = datetime.datetime.now() + timeout
     while True:
         addr, port_text, token = bootstrap.get(key).decode().rsplit(":", 2)
-        try:
-            store = dist.TCPStore(addr, int(port_text), is_master=False, timeout=PROBE_TIMEOUT)
-            if store.get("token").decode() == token:
-                store.set_timeout(timeout)
-                return store
-        except (RuntimeError, dist.DistStoreError):
-            pass  # an address from an earlier attempt; rank 0 of this one will publish its own
+        if _accepts_connections(addr, int(port_text)):
+            try:
+                store = dist.TCPStore(addr, int(port_text), is_master=False, timeout=PROBE_TIMEOUT)
+                if store.get("token").decode() == token:
+                    store.set_timeout(timeout)
+                    return store
+            except (RuntimeError, dist.DistStoreError):
+                pass  # an address from an earlier attempt; rank 0 of this one will publish its own
+        else:
+            time.sleep(0.02)  # a store that is gone: rank 0 of this attempt has yet to publish its own
         if datetime.datetime.now() > deadline:
             raise TimeoutError(f"rank {env.rank} found no process group store from rank 0 within {timeout}")
+
+
+def _accepts_connections(host, port):
+    """A plain TCP connect. The port of a store that is gone refuses it at once, where a TCPStore client
+    retries for seconds: an address left by an earlier attempt then costs milliseconds, not seconds."""
+    try:
+        socket.create_connection((host, port), timeout=PROBE_TIMEOUT.total_seconds()).close()
+        return True
+    except OSError:
+        return False
 
 
 def _advertised_host(master_addr):
