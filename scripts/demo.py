@@ -14,24 +14,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import worker_pids  # noqa: E402  (shared with the benchmarks)
+
 STEP = re.compile(r"step (\d+)/(\d+) .*loss ([\d.]+)")
-
-
-def rank_pids(agent_pid):
-    """{global rank: pid} of the workers torchrun runs now."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            variables = (entry / "environ").read_bytes().split(b"\0") if parent == agent_pid else []
-        except (OSError, ValueError, IndexError):
-            continue
-        for item in variables:
-            if item.startswith(b"RANK="):
-                found[int(item[5:])] = int(entry.name)
-    return found
 
 
 def main():
@@ -62,7 +49,7 @@ def main():
             losses.append(float(match.group(3)))
             step = steps = int(match.group(1))
             if args.kill_at_step and killed_at is None and step >= args.kill_at_step:
-                victim = rank_pids(agent.pid).get(1)
+                victim = worker_pids(agent.pid).get(1)
                 if victim:
                     os.kill(victim, signal.SIGKILL)
                     killed_at = step
