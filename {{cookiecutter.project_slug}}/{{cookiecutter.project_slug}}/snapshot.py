@@ -227,13 +227,13 @@ def restore_rng(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _eventually(check, timeout=SHARED_FOLDER_WAIT_S):
-    """Poll check() until it is true or the timeout passes; return its last result."""
+def _eventually(check, timeout=SHARED_FOLDER_WAIT_S, interval=0.2):
+    """Poll check() every `interval` seconds until it is true (return True) or the timeout passes (False)."""
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
             return False
-        time.sleep(0.2)
+        time.sleep(interval)
     return True
 
 
@@ -276,7 +276,6 @@ class Snapshots:
         self._copied.set()
         self._error = None
         self._staging = {}  # CPU buffers the writer copies tensors into, kept from one save to the next
-        self.last_committed = None  # newest step this process saved and saw committed (rank 0)
 
     # -- start-up ------------------------------------------------------------------------------------------------
 
@@ -469,19 +468,16 @@ class Snapshots:
         deadline = time.monotonic() + self.commit_timeout
         for rank in range(self.env.world_size):
             path = os.path.join(folder, receipt_file(rank))
-            while not os.path.exists(path):
-                if time.monotonic() > deadline:
-                    raise SnapshotError(
-                        f"rank {rank}'s part of {folder} did not appear within {self.commit_timeout:.0f} s: is "
-                        "--snapshot-dir a folder every machine shares?"
-                    )
-                time.sleep(0.01)
+            if not _eventually(lambda: os.path.exists(path), deadline - time.monotonic(), interval=0.01):
+                raise SnapshotError(
+                    f"rank {rank}'s part of {folder} did not appear within {self.commit_timeout:.0f} s: is "
+                    "--snapshot-dir a folder every machine shares?"
+                )
             with open(path, encoding="utf-8") as handle:
                 files.update(json.load(handle)["files"])
         manifest = {"format": FORMAT, "step": step, "world_size": self.env.world_size, "files": files,
                     "created": time.time()}
         write_json_atomic(os.path.join(folder, MANIFEST), manifest)
-        self.last_committed = step
         log.debug("snapshot %s committed", folder)
         self._prune()
 
