@@ -8,20 +8,22 @@
     sbatch scripts/train.sbatch                                          # the same, on SLURM
 
 `python train.py --help` lists every setting. Re-running a command in the same folder resumes from
---snapshot-dir; remove that folder (or pass another) to start from scratch.
+--snapshot-dir; `--resume never` starts from scratch (moving what the folder holds aside).
 """
 
+import logging
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from {{ cookiecutter.project_slug }} import config, distributed, logs, trainer
+from {{ cookiecutter.project_slug }}.snapshot import SnapshotError
 
-log = logs.get_logger("{{ cookiecutter.project_slug }}.train")
+log = logging.getLogger("{{ cookiecutter.project_slug }}.train")
 
 
 @record  # a failing rank's traceback reaches torchrun's summary
-def main(argv=None):
+def main(argv: list[str] | None = None) -> trainer.Summary:
     cfg = config.parse_args(argv)
     env = distributed.read_env()
     logs.setup(env.rank, cfg.log_file)
@@ -31,6 +33,13 @@ def main(argv=None):
         log.info("rank %d of %d, backend %s, device %s", env.rank, env.world_size, env.backend, env.device)
         summary = trainer.train(cfg, env)
         finished = True
+    except trainer.RunError as exc:
+        # Every rank meets the same problem: rank 0 says it, in one line, and each rank exits with code 2.
+        log.log(logging.ERROR if env.is_main else logging.DEBUG, "%s", exc)
+        raise SystemExit(2) from None
+    except SnapshotError as exc:  # this rank's own (a save that failed): one line, tagged with the rank
+        log.error("%s", exc)
+        raise SystemExit(2) from None
     except SystemExit:
         raise
     except BaseException as exc:

@@ -226,6 +226,14 @@ def broadcast_object(env, obj):
     return holder[0]
 
 
+def all_sum(env, tensor):
+    """Sum of a tensor over ranks (a copy; the input is left alone)."""
+    out = tensor.detach().clone()
+    if env.is_distributed:
+        dist.all_reduce(out)
+    return out
+
+
 def all_mean(env, tensor):
     """Mean of a tensor over ranks (a copy; the input is left alone)."""
     if not env.is_distributed:

@@ -1,12 +1,22 @@
-"""The model. Replace it with yours: nothing here knows about ranks, devices or snapshots."""
+"""The model and its loss. Replace them with yours: nothing here knows about ranks, devices or snapshots.
 
+- `build_model(cfg, train_dataset)` returns the `nn.Module` to train (the trainer moves it to the device and
+  wraps it in DDP; snapshots and exports hold its own `state_dict`, without a `module.` prefix).
+- `loss_fn(outputs, targets)` returns the mean loss of a batch.
+- `val_metrics(outputs, targets)` (optional) returns per-batch SUMS, e.g. `{"correct": ...}`: the trainer adds
+  them up over every validation sample on every rank and logs each divided by the number of samples, as
+  `val_<name>`. Delete it if you only want `val_loss`.
+"""
+
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 
 class MLP(nn.Module):
     """A small classifier for the demo data: `depth` hidden layers of `width` units, with dropout."""
 
-    def __init__(self, in_features, classes, width=256, depth=3, dropout=0.1):
+    def __init__(self, in_features: int, classes: int, width: int = 256, depth: int = 3, dropout: float = 0.1):
         super().__init__()
         layers, features = [], in_features
         for _ in range(depth):
@@ -15,9 +25,17 @@ class MLP(nn.Module):
         layers.append(nn.Linear(features, classes))
         self.net = nn.Sequential(*layers)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
 
-def build_model(cfg, dataset):
-    return MLP(dataset.features, dataset.classes, width=cfg.width, depth=cfg.depth, dropout=cfg.dropout)
+def build_model(cfg, train_dataset) -> nn.Module:
+    return MLP(train_dataset.features, train_dataset.classes, width=cfg.width, depth=cfg.depth, dropout=cfg.dropout)
+
+
+def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(outputs, targets)
+
+
+def val_metrics(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"accuracy": (outputs.argmax(dim=1) == targets).sum()}

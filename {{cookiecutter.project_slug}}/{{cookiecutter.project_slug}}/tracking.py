@@ -1,9 +1,20 @@
-"""Experiment tracking: wandb on rank 0, a tracker that does nothing everywhere else.
+"""Experiment tracking: wandb and a local metrics file on rank 0, a tracker that does nothing everywhere else.
 
 The training loop calls `tracker.log(...)` on every rank and never asks which rank it is on. wandb is
 imported only when it is used. The run id lives in the snapshot folder, so restarts and re-launches that
 resume from it continue the same wandb run.
+
+The metrics file (`--metrics-file`, JSON Lines) holds one object per logged step: `{"step": 120, "loss": ...,
+"lr": ..., "val_loss": ...}`. A resumed run first drops the records of steps after the snapshot it resumed
+from, so steps that are trained again replace what the failed attempt wrote instead of repeating it: read the
+file top to bottom and every step appears once. Each line is flushed as it is written; a crash loses at
+most the line being written, and a partial last line is dropped at the next start.
 """
+
+import json
+import math
+import os
+import time
 
 from . import logs
 
@@ -13,15 +24,15 @@ log = logs.get_logger(__name__)
 class Tracker:
     """Does nothing: what every rank but 0 gets, and rank 0 too when tracking is disabled."""
 
-    def log(self, metrics, step):
+    def log(self, metrics: dict, step: int) -> None:
         pass
 
-    def finish(self):
+    def finish(self) -> None:
         pass
 
 
 class WandbTracker(Tracker):
-    def __init__(self, project, run_id, mode, config):
+    def __init__(self, project: str, run_id: str, mode: str, config: dict):
         try:
             import wandb
         except ImportError as exc:
@@ -35,14 +46,95 @@ class WandbTracker(Tracker):
         self.run.define_metric("*", step_metric="step")
         log.info("wandb run %s (%s mode, project %s)", run_id, mode, project)
 
-    def log(self, metrics, step):
+    def log(self, metrics: dict, step: int) -> None:
         self.run.log({"step": step, **metrics})
 
-    def finish(self):
+    def finish(self) -> None:
         self.run.finish()
 
 
-def make_tracker(env, mode, project, run_id, config):
-    if env.is_main and mode != "disabled":
-        return WandbTracker(project, run_id, mode, config)
-    return Tracker()
+class MetricsFile(Tracker):
+    """JSON Lines on rank 0: one record per logged step, steps after `resumed_from` dropped first (-1: a new run).
+
+    Metrics logged for the step of the last line (validation after training metrics) are merged into it.
+    """
+
+    def __init__(self, path: str, resumed_from: int):
+        self.path = path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if resumed_from < 0 and os.path.exists(path) and os.path.getsize(path) > 0:
+            kept_aside = f"{path}.{time.strftime('%Y%m%d-%H%M%S')}"
+            os.replace(path, kept_aside)  # a fresh run starts a fresh file; the old one is kept, not overwritten
+            log.info("a new run: the previous metrics file is now %s", kept_aside)
+        steps = [(_step_of(line), line) for line in _read_lines(path)]
+        kept = [line for step, line in steps if step is not None and step <= resumed_from]
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as handle:
+            handle.write("".join(kept).encode())
+        os.replace(tmp, path)
+        self._file = open(path, "ab")
+        self._last: dict = {}
+        self._last_offset = self._file.tell()
+
+    def log(self, metrics: dict, step: int) -> None:
+        record = {k: _plain(v) for k, v in metrics.items()}
+        if self._last.get("step") == step:
+            record = {**self._last, **record}
+            self._file.truncate(self._last_offset)
+        else:
+            self._last_offset = self._file.tell()
+        self._last = {"step": step, **record}
+        self._file.write((json.dumps(self._last) + "\n").encode())
+        self._file.flush()
+
+    def finish(self) -> None:
+        self._file.close()
+
+
+class Trackers(Tracker):
+    """Several trackers as one."""
+
+    def __init__(self, trackers: list[Tracker]):
+        self.trackers = trackers
+
+    def log(self, metrics: dict, step: int) -> None:
+        for tracker in self.trackers:
+            tracker.log(metrics, step)
+
+    def finish(self) -> None:
+        for tracker in self.trackers:
+            tracker.finish()
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return [line if line.endswith("\n") else line + "\n" for line in handle]
+    except FileNotFoundError:
+        return []
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None  # the partial last line of a crash, or not ours
+    return step if isinstance(step, int) else None
+
+
+def _plain(value):
+    """JSON has no NaN or infinity: write them as null."""
+    value = value.item() if hasattr(value, "item") else value
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def make_tracker(env, mode: str, project: str, run_id: str, config: dict, metrics_file: str = "",
+                 resumed_from: int = -1) -> Tracker:
+    if not env.is_main:
+        return Tracker()
+    trackers: list[Tracker] = []
+    if metrics_file:
+        trackers.append(MetricsFile(metrics_file, resumed_from))
+    if mode != "disabled":
+        trackers.append(WandbTracker(project, run_id, mode, config))
+    return Trackers(trackers)

@@ -1,56 +1,115 @@
-"""The training loop: DDP, sharded data that can resume mid-epoch, snapshots, graceful stop on SIGTERM."""
+"""The training loop. `train()` reads top to bottom: train step -> log -> evaluate -> snapshot -> stop check.
+
+What a resume takes from the snapshot, and what from the command line (or --config) of the new launch:
+- From the snapshot: the weights, the optimizer's moments, the step, the data position (epoch and samples seen),
+  every rank's random streams, the run id, and the run's length in samples (see `RunLength`).
+- From the command line: everything else, applied from the first resumed step. A new --lr, --warmup-steps,
+  --max-steps or --epochs rescales the learning-rate schedule (it is a function of the samples seen, not a stored
+  state); a new --weight-decay replaces the snapshot's; --batch-size and --grad-accum change the step size while
+  the data position stays exact in samples. The changed settings are logged once.
+- A snapshot of another model (other layer names or shapes) stops the run with one line: use --resume never.
+"""
 
 import contextlib
-import copy
 import dataclasses
+import json
 import math
 import os
 import random
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
 from . import distributed, logs, tracking
-from .data import build_dataset
-from .model import build_model
-from .snapshot import Snapshots, capture_rng, restore_rng, step_name
+from . import model as user_model
+from .config import Config, flag
+from .data import build_datasets
+from .distributed import DistEnv
+from .snapshot import SnapshotError, Snapshots, capture_rng, restore_rng, step_name, write_atomic
 
 log = logs.get_logger(__name__)
 
 AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-# Settings whose change on resume is worth a warning (the others, like log files, are free to change).
-RESUME_SENSITIVE = ("seed", "batch_size", "grad_accum", "lr", "warmup_steps", "weight_decay", "amp", "width", "depth",
-                    "dropout", "dataset_size", "max_steps", "epochs")
+
+
+class RunError(Exception):
+    """A problem the user fixes (settings, data, an unfitting snapshot): reported as one line, no traceback."""
 
 
 @dataclass
 class Progress:
+    """Where the run is. Saved in every snapshot; a resume continues from it."""
+
     step: int = 0  # optimizer steps done
     epoch: int = 0
     samples_in_epoch: int = 0  # samples of the current epoch consumed by all ranks together
     samples_seen: int = 0
+    step_samples: int = 0  # samples per optimizer step when the run started: the unit of the run's length
     first_loss: float = math.nan  # loss of the first logged step, kept across restarts for the summary
+    last_loss: float = math.nan
+    val_loss: float = math.nan
+    best_val_loss: float = math.inf
+    best_step: int = -1
 
 
 @dataclass
 class Summary:
     world_size: int
     steps: int
+    total_steps: int
     resumed_from: int  # step the run resumed from; -1 for a fresh start
+    samples_seen: int
     first_loss: float
     last_loss: float
+    val_loss: float  # the last evaluation's; NaN without validation data
+    best_val_loss: float
+    best_step: int
     snapshot_dir: str
     newest_snapshot: str
+    export_dir: str
     log_file: str
+    metrics_file: str
+    already_complete: bool = False  # the snapshot was already at the end: nothing was trained
     stop_signal: int = 0  # the signal that stopped the run early, 0 if it finished
+
+
+class RunLength:
+    """How long the run is, in samples, so that it means the same amount of data at any world size.
+
+    `--max-steps N` (or `--epochs E`) counts optimizer steps of the size they had when the run started
+    (`step_samples`): a job resumed on more or fewer ranks trains the samples left, in steps of its own size.
+    The learning-rate schedule is a function of the samples seen, so it is the same curve at any world size.
+    """
+
+    def __init__(self, cfg: Config, step_samples: int, train_size: int):
+        steps_per_epoch = train_size // step_samples
+        self.samples = (cfg.max_steps or cfg.epochs * steps_per_epoch) * step_samples
+        self.warmup_samples = cfg.warmup_steps * step_samples
+        self.step_samples = step_samples
+        self.peak_lr = cfg.lr
+
+    def steps(self, progress: Progress, global_batch: int) -> int:
+        """The step at which this attempt ends: the steps done plus the steps left at this attempt's size."""
+        left = max(0, self.samples - progress.samples_seen)
+        return progress.step + -(-left // global_batch)
+
+    def lr(self, samples_seen: int) -> float:
+        """Linear warmup, then cosine decay to 10% of the peak; in samples (= steps at the starting size)."""
+        position = samples_seen / self.step_samples
+        if samples_seen < self.warmup_samples:
+            return self.peak_lr * (position + 1) / (self.warmup_samples / self.step_samples)
+        decay = max(1.0, (self.samples - self.warmup_samples) / self.step_samples)
+        done = min(1.0, (samples_seen - self.warmup_samples) / self.step_samples / decay)
+        return self.peak_lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * done)))
 
 
 class ResumableSampler(DistributedSampler):
@@ -62,48 +121,93 @@ class ResumableSampler(DistributedSampler):
     them at the index level, without loading them, and continues with the rest.
     """
 
-    def __init__(self, dataset, env, seed, samples_per_rank_step):
+    def __init__(self, dataset: Dataset, env: DistEnv, seed: int, samples_per_rank_step: int):
         super().__init__(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed, drop_last=True)
         self.samples_per_rank_step = samples_per_rank_step
         self.start = 0
 
-    def set_position(self, epoch, start):
+    def set_position(self, epoch: int, start: int) -> None:
         self.set_epoch(epoch)
         self.start = start
 
-    def steps(self):
+    def steps(self) -> int:
         """Whole optimizer steps left in this epoch."""
         return (len(self.dataset) - self.start) // (self.num_replicas * self.samples_per_rank_step)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return self.steps() * self.samples_per_rank_step
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(len(self.dataset), generator=generator)
         order = order[self.start:self.start + self.steps() * self.num_replicas * self.samples_per_rank_step]
         return iter(order[self.rank::self.num_replicas].tolist())
 
 
-class StopRequest:
-    """SIGTERM (what torchrun, SLURM and Kubernetes send before a kill) asks the job to stop at a step boundary.
+class Batches:
+    """The training data one optimizer step at a time: `next(batches)` is the step's list of micro-batches.
 
-    The handler only sets a flag. The ranks agree on when to stop with a one-number all_reduce started after
-    each step and read after the next one, so its latency hides behind the step and all ranks stop together.
+    It owns the data position in `progress` (epoch, samples consumed): it skips what a resumed run has already
+    seen, re-seeds the sampler and the loader at each epoch, and rolls over to the next epoch when fewer
+    samples than one step are left.
     """
 
-    def __init__(self, env):
+    def __init__(self, dataset: Dataset, cfg: Config, env: DistEnv, progress: Progress):
+        self.cfg, self.env, self.progress = cfg, env, progress
+        self.global_batch = env.world_size * cfg.batch_size * cfg.grad_accum
+        self.sampler = ResumableSampler(dataset, env, cfg.seed, cfg.batch_size * cfg.grad_accum)
+        self.generator = torch.Generator()  # explicit, so starting an epoch never draws from the global RNG
+        self.loader = DataLoader(
+            dataset, batch_size=cfg.batch_size, sampler=self.sampler, drop_last=True, num_workers=cfg.num_workers,
+            pin_memory=env.device.type == "cuda", persistent_workers=cfg.num_workers > 0, generator=self.generator,
+        )
+        self._iterator, self._steps_left = None, 0
+
+    def __iter__(self) -> "Batches":
+        return self
+
+    def __next__(self) -> list:
+        while self._steps_left == 0:
+            self._start_epoch()
+        self._steps_left -= 1
+        self.progress.samples_in_epoch += self.global_batch
+        self.progress.samples_seen += self.global_batch
+        return [next(self._iterator) for _ in range(self.cfg.grad_accum)]
+
+    def _start_epoch(self) -> None:
+        progress = self.progress
+        if progress.samples_in_epoch + self.global_batch > len(self.sampler.dataset):  # no whole step left
+            progress.epoch += 1
+            progress.samples_in_epoch = 0
+        self.sampler.set_position(progress.epoch, progress.samples_in_epoch)
+        self.generator.manual_seed(self.cfg.seed * 1_000_003 + progress.epoch * 7_919 + self.env.rank)
+        self._iterator, self._steps_left = iter(self.loader), self.sampler.steps()
+
+
+class StopRequest:
+    """SIGTERM (what torchrun, SLURM and Kubernetes send before a kill) or Ctrl-C asks the job to stop at a step.
+
+    The handler only sets a flag; a second Ctrl-C interrupts at once. The ranks agree on when to stop with a
+    one-number all_reduce started after each step and read after the next one, so its latency hides behind the
+    step and all ranks stop together.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, env: DistEnv):
         self.env = env
         self.signal = 0  # the signal this rank received
         self.stopped = False  # set on every rank at the same step once the ranks agree to stop
         self._pending = None
         self._flag = torch.zeros(1, dtype=torch.int64)
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
 
     def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self.signal:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now, without a snapshot
         self.signal = signum
 
-    def agreed(self):
+    def agreed(self) -> bool:
         """True on every rank at the same step, once any rank got the signal."""
         if not self.env.is_distributed:
             self.stopped = bool(self.signal)
@@ -117,223 +221,415 @@ class StopRequest:
                                         async_op=True)
         return self.stopped
 
-    def close(self):
+    def close(self) -> None:
         if self._pending is not None:
             self._pending.wait()  # every rank started the same number of these: finish the last one everywhere
             self._pending = None
-        signal.signal(signal.SIGTERM, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
+
+    def __enter__(self) -> "StopRequest":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
-def seed_everything(seed):
+class Trainer:
+    """Everything one run holds: model, data, optimizer, snapshots, trackers; resumed if a snapshot is there."""
+
+    def __init__(self, cfg: Config, env: DistEnv):
+        self.cfg, self.env = cfg, env
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        self.train_data, self.val_data = build_datasets(cfg)
+        self.global_batch = env.world_size * cfg.batch_size * cfg.grad_accum
+        if len(self.train_data) < self.global_batch:
+            raise RunError(
+                f"the training data has {len(self.train_data)} samples, fewer than one optimizer step takes "
+                f"({env.world_size} rank(s) x {flag('batch_size')} {cfg.batch_size} x {flag('grad_accum')} "
+                f"{cfg.grad_accum} = {self.global_batch}): lower them"
+            )
+        self.model = user_model.build_model(cfg, self.train_data).to(env.device)
+        self.val_metrics = getattr(user_model, "val_metrics", None)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.amp_dtype = AMP_DTYPES[cfg.amp]
+        self.scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16" and env.device.type == "cuda")
+
+        self.snapshots = Snapshots(cfg.snapshot_dir, env, keep=cfg.keep_snapshots,
+                                   commit_timeout=distributed.collective_timeout(cfg).total_seconds())
+        try:  # both decided on rank 0 or agreed by every rank: the same error everywhere
+            self.run_id = self.snapshots.prepare(snapshot_bytes(self.model), fresh_start=cfg.resume == "never")
+            resumed = self.snapshots.resume()
+        except SnapshotError as exc:
+            raise RunError(str(exc)) from None
+        self.progress, rng_state, self.resumed_from = Progress(step_samples=self.global_batch), None, -1
+        if resumed is not None:
+            rng_state = self._restore(resumed)
+        self.length = RunLength(cfg, self.progress.step_samples, len(self.train_data))
+        self.total_steps = self.length.steps(self.progress, self.global_batch)
+        self._write_config()
+        self._warn_about_settings()
+
+        self.ddp_model = self._wrap(self.model)
+        self.batches = Batches(self.train_data, cfg, env, self.progress)
+        self.tracker = tracking.make_tracker(env, cfg.wandb, cfg.wandb_project, self.run_id, cfg.to_dict(),
+                                             cfg.metrics_file, self.resumed_from)
+        self.last_saved = self.resumed_from if self.resumed_from >= 0 else None
+        self._loss_sum, self._loss_steps = torch.zeros((), device=env.device), 0
+        self._grad_norm = torch.zeros((), device=env.device)
+        self._timer = time.perf_counter()
+        # Restore the random streams last, right before the first step, so nothing in between can draw from them.
+        if rng_state is not None:
+            restore_rng(rng_state)
+        else:  # a fresh start, or a resume with another number of ranks: new streams, distinct per rank and step
+            seed_everything(cfg.seed + env.rank + 1_000_003 * self.progress.step)
+
+    # -- one optimizer step ------------------------------------------------------------------------------------
+
+    def forward_backward(self, micro_batches: list) -> None:
+        """Forward and backward over the micro-batches of one optimizer step; gradients sync on the last one."""
+        self.ddp_model.train()
+        for index, (inputs, targets) in enumerate(micro_batches):
+            inputs = inputs.to(self.env.device, non_blocking=True)
+            targets = targets.to(self.env.device, non_blocking=True)
+            last = index == len(micro_batches) - 1
+            sync = contextlib.nullcontext() if last or not self.env.is_distributed else self.ddp_model.no_sync()
+            with sync:
+                with torch.autocast(self.env.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                    loss = user_model.loss_fn(self.train_model(inputs), targets) / len(micro_batches)
+                self.scaler.scale(loss).backward()
+            self._loss_sum += loss.detach()
+
+    def optimizer_step(self) -> None:
+        """Clip, step at the scheduled learning rate, and move the position on by one step."""
+        lr = self.length.lr(self.progress.samples_seen - self.global_batch)  # the step's samples are counted already
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.cfg.clip_grad:
+            self.scaler.unscale_(self.optimizer)
+            self._grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.progress.step += 1
+        self._loss_steps += 1
+
+    def due(self, every: int) -> bool:
+        """True at every `every`-th step and at the last one (`every` = 0: only at the last one)."""
+        step = self.progress.step
+        return step >= self.total_steps or (every > 0 and step % every == 0)
+
+    # -- logging, evaluation, snapshots ------------------------------------------------------------------------
+
+    def log_metrics(self) -> None:
+        """Mean loss since the last log over every rank, learning rate, speed; stops a run whose loss diverged."""
+        progress, elapsed = self.progress, time.perf_counter() - self._timer
+        loss = self._synced_loss()
+        progress.last_loss = loss
+        if math.isnan(progress.first_loss):
+            progress.first_loss = loss
+        metrics = {"loss": loss, "lr": self.optimizer.param_groups[0]["lr"], "epoch": progress.epoch,
+                   "samples_per_s": self._loss_steps * self.global_batch / elapsed}
+        if self.cfg.clip_grad:
+            metrics["grad_norm"] = float(self._grad_norm)
+        log.info("step %d/%d  epoch %d  loss %.4f  lr %.2e  %.0f samples/s%s", progress.step, self.total_steps,
+                 progress.epoch, loss, metrics["lr"], metrics["samples_per_s"],
+                 f"  grad norm {metrics['grad_norm']:.3g}" if "grad_norm" in metrics else "")
+        self.tracker.log(metrics, progress.step)
+        self._loss_sum.zero_()
+        self._loss_steps, self._timer = 0, time.perf_counter()
+
+    def evaluate(self) -> dict[str, float]:
+        """val_loss and val_<name> over every validation sample, each counted once across the ranks.
+
+        Each rank takes every world_size-th sample (no padding, no sampler), sums the loss and the metrics, and
+        one all_reduce adds up sums and counts: the result equals one process evaluating the whole set. The model
+        runs in eval mode (BatchNorm uses its running statistics, dropout is off), and the random streams are put
+        back afterwards, so evaluating changes nothing a bitwise resume depends on.
+        """
+        if self.val_data is None or len(self.val_data) == 0:
+            return {}
+        started, rng_state = time.perf_counter(), capture_rng()
+        self.model.eval()
+        shard = range(self.env.rank, len(self.val_data), self.env.world_size)
+        loader = DataLoader(self.val_data, batch_size=self.cfg.batch_size, sampler=shard,
+                            num_workers=self.cfg.num_workers, generator=torch.Generator())
+        sums: dict[str, torch.Tensor] = {}
+        with torch.no_grad(), torch.autocast(self.env.device.type, dtype=self.amp_dtype,
+                                             enabled=self.amp_dtype is not None):
+            for inputs, targets in loader:
+                inputs, targets = inputs.to(self.env.device), targets.to(self.env.device)
+                _add_batch_sums(sums, self.model(inputs), targets, self.val_metrics)
+        self.model.train()
+        restore_rng(rng_state)
+        names = distributed.broadcast_object(self.env, sorted(sums))  # rank 0 always has samples: it names them
+        totals = torch.stack([sums.get(name, torch.zeros((), dtype=torch.float64, device=self.env.device))
+                              for name in names])
+        totals = distributed.all_sum(self.env, totals).tolist()
+        count = totals[names.index("count")]
+        results = {f"val_{name}": total / count for name, total in sorted(zip(names, totals), key=_loss_first)
+                   if name != "count"}
+        self._record_evaluation(results, int(count), time.perf_counter() - started)
+        return results
+
+    def save_snapshot(self, blocking: bool = False) -> None:
+        """Start writing a snapshot of this step in the background (see snapshot.py); refuse a diverged state."""
+        if self._loss_steps and not math.isfinite(self._synced_loss(keep=True)):
+            self._diverged()
+        model_state = self.model.state_dict()
+        for name, buffer in self.model.named_buffers():
+            if name in model_state:  # buffers change during forward (BatchNorm statistics): copy them now
+                model_state[name] = buffer.detach().clone()
+        shared = {"model": model_state, "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+                  "step": self.progress.step, "progress": dataclasses.asdict(self.progress),
+                  "config": self.cfg.to_dict(), "run_id": self.run_id, "torch_version": str(torch.__version__)}
+        self.snapshots.save(self.progress.step, shared, {"rng": capture_rng()}, blocking=blocking)
+        self.last_saved = self.progress.step
+
+    def export(self, name: str) -> None:
+        """Rank 0 writes the model's weights as a plain state dict to <export-dir>/<name>, atomically."""
+        if not self.env.is_main:
+            return
+        os.makedirs(self.cfg.export_dir, exist_ok=True)
+        weights = {key: value.detach().to("cpu", copy=True) for key, value in self.model.state_dict().items()}
+        write_atomic(os.path.join(self.cfg.export_dir, name), lambda handle: torch.save(weights, handle))
+
+    def finish(self, stop: StopRequest) -> Summary:
+        """Final snapshot, export and summary (also for a run that was already complete when it started)."""
+        stop.close()
+        stopped = stop.stopped
+        if stopped:
+            log.warning("stopping at step %d of %d on signal %d: saving a snapshot; run the same command again to "
+                        "resume", self.progress.step, self.total_steps, stop.signal)
+        if self.last_saved != self.progress.step:
+            self.save_snapshot(blocking=True)
+        self.snapshots.wait()
+        already_complete = self.resumed_from >= self.total_steps
+        summary = self._summary(already_complete=already_complete, stop_signal=stop.signal if stopped else 0)
+        if not stopped:
+            self.export("model.pt")
+            self._write_summary(summary)
+        if summary.already_complete:
+            log.info("already complete: %d of %d steps, last loss %.4f%s; nothing to train (raise --max-steps or "
+                     "--epochs to train on, or pass --resume never to start over)", summary.steps,
+                     summary.total_steps, summary.last_loss, _val_text(summary))
+        elif not stopped:
+            log.info("done: %d rank(s), %d steps%s, loss %.4f -> %.4f%s", summary.world_size, summary.steps,
+                     f" (resumed at step {self.resumed_from})" if self.resumed_from >= 0 else "",
+                     summary.first_loss, summary.last_loss, _val_text(summary))
+        log.info("snapshots: %s (newest %s); exported weights: %s", summary.snapshot_dir, summary.newest_snapshot,
+                 os.path.abspath(self.cfg.export_dir))
+        return summary
+
+    def close(self) -> None:
+        self.tracker.finish()
+        self.snapshots.close()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        """DDP (under torchrun), then torch.compile if asked; snapshots keep using the unwrapped `self.model`."""
+        ddp_model = model
+        if self.env.is_distributed:
+            device_ids = [self.env.device.index] if self.env.device.type == "cuda" else None
+            ddp_model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+            if self.resumed_from >= 0:
+                _settle_bucket_order(ddp_model, self.train_data, self.cfg.batch_size, self.env, self.optimizer)
+        self.train_model = torch.compile(ddp_model) if self.cfg.compile else ddp_model
+        return ddp_model
+
+    def _restore(self, resumed: dict) -> dict | None:
+        """Load a snapshot into the training objects; return this rank's random streams, or None to re-seed them."""
+        folder = os.path.join(self.snapshots.directory, step_name(resumed["step"]))
+        try:
+            self.model.load_state_dict(resumed["model"])
+            self.optimizer.load_state_dict(resumed["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise RunError(
+                f"the snapshot {folder} does not fit this model ({_first_line(exc)}): it was written for another "
+                f"model. Start from scratch with {flag('resume')} never (what the folder holds is moved aside), or "
+                f"pass another {flag('snapshot_dir')}"
+            ) from None
+        for group in self.optimizer.param_groups:  # from the command line, not the snapshot (see the docstring)
+            group["weight_decay"] = self.cfg.weight_decay
+        if self.scaler.is_enabled() and resumed["scaler"]:
+            self.scaler.load_state_dict(resumed["scaler"])
+        known = {spec.name for spec in dataclasses.fields(Progress)}
+        self.progress = Progress(**{k: v for k, v in resumed["progress"].items() if k in known})
+        self.resumed_from = self.progress.step
+        changed = [f"{key} {value!r} -> {getattr(self.cfg, key)!r}" for key, value in resumed["config"].items()
+                   if hasattr(self.cfg, key) and value != getattr(self.cfg, key)]
+        if changed:
+            log.info("settings changed since %s was written (applied from now on): %s", folder, ", ".join(changed))
+        if resumed["world_size"] != self.env.world_size:
+            log.warning(
+                "the snapshot was written by %d rank(s) and this job has %d: model, optimizer and data position (by "
+                "samples seen) are restored and every rank's random streams are re-seeded, so this run will not "
+                "match an uninterrupted one bit for bit", resumed["world_size"], self.env.world_size,
+            )
+            return None
+        return resumed["rank_state"]["rng"]
+
+    def _warn_about_settings(self) -> None:
+        cfg, steps = self.cfg, self.total_steps
+        log.info(
+            "%s from step %d of %d: %d rank(s) x batch %d x accum %d = %d samples/step, %d parameters",
+            "resuming" if self.resumed_from >= 0 else "training", self.progress.step, steps, self.env.world_size,
+            cfg.batch_size, cfg.grad_accum, self.global_batch, sum(p.numel() for p in self.model.parameters()),
+        )
+        if cfg.warmup_steps >= self.length.samples // self.length.step_samples:
+            log.warning("%s %d is not shorter than the run (%d steps): the learning rate never reaches its peak",
+                        flag("warmup_steps"), cfg.warmup_steps, self.length.samples // self.length.step_samples)
+        if cfg.amp == "fp16" and self.env.device.type != "cuda":
+            log.warning("%s fp16 without CUDA runs without a gradient scaler; prefer bf16 on CPU", flag("amp"))
+
+    def _write_config(self) -> None:
+        """The resolved settings, logged once and kept beside the snapshots (`--config` reads the file back)."""
+        from .config import to_toml
+
+        if self.env.is_main:
+            text = to_toml(self.cfg)
+            write_atomic(os.path.join(self.snapshots.directory, "config.toml"), lambda f: f.write(text.encode()))
+            log.info("settings: %s", " ".join(f"{flag(k)}={v!r}" for k, v in self.cfg.to_dict().items()))
+
+    def _record_evaluation(self, results: dict[str, float], count: int, seconds: float) -> None:
+        progress = self.progress
+        progress.val_loss = results["val_loss"]
+        log.info("eval at step %d: %s (%d samples, %.1f s)", progress.step,
+                 "  ".join(f"{k} {v:.4f}" for k, v in results.items()), count, seconds)
+        self.tracker.log(results, progress.step)
+        self._timer += seconds  # samples/s counts training time only
+        if progress.val_loss < progress.best_val_loss:
+            progress.best_val_loss, progress.best_step = progress.val_loss, progress.step
+            self.export("best.pt")
+
+    def _synced_loss(self, keep: bool = False) -> float:
+        """The mean training loss since the last log, over every rank; a NaN or infinite one stops the run."""
+        loss = distributed.all_mean(self.env, self._loss_sum / max(1, self._loss_steps)).item()
+        if not math.isfinite(loss) and not keep:
+            self._diverged()
+        return loss
+
+    def _diverged(self) -> None:
+        raise RunError(
+            f"the training loss is not finite at step {self.progress.step}: the run diverged, so no snapshot is saved "
+            f"over the good ones (newest: step {self.last_saved}). Lower {flag('lr')}, set {flag('clip_grad')}, "
+            "or check the data; then run the same command again to resume from that snapshot"
+        )
+
+    def _summary(self, already_complete: bool, stop_signal: int) -> Summary:
+        cfg, progress = self.cfg, self.progress
+        return Summary(
+            world_size=self.env.world_size, steps=progress.step, total_steps=self.total_steps,
+            resumed_from=self.resumed_from, samples_seen=progress.samples_seen, first_loss=progress.first_loss,
+            last_loss=progress.last_loss, val_loss=progress.val_loss, best_val_loss=progress.best_val_loss,
+            best_step=progress.best_step, snapshot_dir=self.snapshots.directory,
+            newest_snapshot=step_name(progress.step), export_dir=os.path.abspath(cfg.export_dir),
+            log_file=os.path.abspath(cfg.log_file.replace("{rank}", "0")) if cfg.log_file else "",
+            metrics_file=os.path.abspath(cfg.metrics_file) if cfg.metrics_file else "",
+            already_complete=already_complete, stop_signal=stop_signal,
+        )
+
+    def _write_summary(self, summary: Summary) -> None:
+        if self.env.is_main:
+            fields = {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
+                      for k, v in dataclasses.asdict(summary).items()}
+            text = json.dumps(fields, indent=1)
+            write_atomic(os.path.join(self.cfg.export_dir, "summary.json"), lambda f: f.write(text.encode()))
+
+
+def train(cfg: Config, env: DistEnv) -> Summary:
+    """Train until --max-steps or --epochs; resume from the newest good snapshot in --snapshot-dir if there is one."""
+    with (
+        Trainer(cfg, env) as trainer,  # model, data, optimizer, snapshots: restored from the newest good snapshot
+        StopRequest(env) as stop,
+        progress_bar(env, trainer.total_steps, trainer.progress.step) as bar,
+    ):
+        progress, snapshots = trainer.progress, trainer.snapshots
+        while progress.step < trainer.total_steps and not stop.stopped:
+            trainer.forward_backward(next(trainer.batches))
+            snapshots.wait_until_copied()  # the save in flight must copy the weights before the optimizer changes them
+            trainer.optimizer_step()
+            bar.update()
+
+            if trainer.due(cfg.log_every):
+                trainer.log_metrics()
+            if trainer.due(cfg.eval_every):
+                trainer.evaluate()
+            if trainer.due(cfg.snapshot_every):
+                trainer.save_snapshot()
+            stop.agreed()  # every rank learns of a SIGTERM or Ctrl-C at the same step
+        return trainer.finish(stop)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+def _add_batch_sums(sums: dict, outputs: torch.Tensor, targets: torch.Tensor, val_metrics) -> None:
+    """Add one validation batch's sample count, summed loss and summed metrics to `sums` (float64)."""
+    count = len(targets)
+    batch = {"count": count, "loss": user_model.loss_fn(outputs, targets).double() * count}
+    if val_metrics is not None:
+        batch.update(val_metrics(outputs, targets))
+    for name, value in batch.items():
+        value = torch.as_tensor(value, dtype=torch.float64, device=outputs.device).detach()
+        sums[name] = sums[name] + value if name in sums else value
+
+
+def _settle_bucket_order(ddp_model: DistributedDataParallel, dataset: Dataset, batch_size: int, env: DistEnv,
+                         optimizer: torch.optim.Optimizer) -> None:
+    """Give a resumed job's fresh DDP the gradient buckets an uninterrupted job has by now.
+
+    DDP rebuilds its buckets in the order gradients arrive during the first backward; until then it uses an
+    initial layout. With 3 or more ranks gloo's ring all-reduce then sums in another order, so the first resumed
+    step would differ in the last bits from the uninterrupted run's. One forward and backward in eval mode on a
+    fixed batch, with the gradients thrown away and the random streams put back, sets the order without
+    changing the weights, the optimizer, the buffers or the data position.
+    """
+    rng_state = capture_rng()
+    ddp_model.eval()
+    inputs, targets = default_collate([dataset[i] for i in range(min(batch_size, len(dataset)))])
+    outputs = ddp_model(inputs.to(env.device))
+    user_model.loss_fn(outputs, targets.to(env.device)).backward()
+    optimizer.zero_grad(set_to_none=True)
+    ddp_model.train()
+    restore_rng(rng_state)
+
+
+def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 
-def warmup_cosine(warmup_steps, total_steps):
-    """Learning-rate factor: linear warmup, then cosine decay to 10% of the peak."""
-
-    def factor(step):
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def snapshot_bytes(model):
+def snapshot_bytes(model: nn.Module) -> int:
     """Rough size of one snapshot: weights plus AdamW's two moments."""
     return 3 * sum(p.numel() * p.element_size() for p in model.parameters()) + 2**20
 
 
-def progress_bar(env, total, initial):
-    """tqdm on rank 0 when the console is a terminal; a do-nothing stand-in otherwise."""
-    if env.is_main and sys.stderr.isatty():
-        from tqdm import tqdm
+def progress_bar(env: DistEnv, total: int, initial: int):
+    """tqdm on rank 0 when the console is a terminal; disabled (drawing nothing) elsewhere."""
+    from tqdm import tqdm
 
-        return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=False)
-    return contextlib.nullcontext(_NoBar())
-
-
-class _NoBar:
-    def update(self, n=1):
-        pass
-
-    def set_postfix_str(self, text):
-        pass
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=False,
+                disable=not (env.is_main and sys.stderr.isatty()))
 
 
-def train(cfg, env):
-    """Train until --max-steps or --epochs; resume from the newest good snapshot if there is one."""
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    dataset = build_dataset(cfg)
-    model = build_model(cfg, dataset).to(env.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-    samples_per_rank_step = cfg.batch_size * cfg.grad_accum
-    global_batch = env.world_size * samples_per_rank_step
-    steps_per_epoch = len(dataset) // global_batch
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"the dataset has {len(dataset)} samples, fewer than one optimizer step takes ({env.world_size} ranks x "
-            f"--batch-size {cfg.batch_size} x --grad-accum {cfg.grad_accum} = {global_batch})"
-        )
-    total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.warmup_steps, total_steps))
-    amp_dtype = AMP_DTYPES[cfg.amp]
-    scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16" and env.device.type == "cuda")
-
-    snapshots = Snapshots(cfg.snapshot_dir, env, keep=cfg.keep_snapshots,
-                          commit_timeout=distributed.collective_timeout(cfg).total_seconds())
-    run_id = snapshots.prepare(snapshot_bytes(model))
-    progress, rng_state = Progress(), None
-    resumed = snapshots.resume()
-    if resumed is not None:
-        rng_state = _restore(resumed, cfg, env, model, optimizer, scheduler, scaler)
-        progress = Progress(**resumed["progress"])
-    resumed_from = progress.step if resumed is not None else -1
-
-    if env.is_distributed:
-        device_ids = [env.device.index] if env.device.type == "cuda" else None
-        ddp_model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
-    else:
-        ddp_model = model
-    tracker = tracking.make_tracker(env, cfg.wandb, cfg.wandb_project, run_id, cfg.to_dict())
-
-    sampler = ResumableSampler(dataset, env, cfg.seed, samples_per_rank_step)
-    loader_generator = torch.Generator()  # explicit, so building an iterator never draws from the global RNG
-    loader = DataLoader(
-        dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True, num_workers=cfg.num_workers,
-        pin_memory=env.device.type == "cuda", persistent_workers=cfg.num_workers > 0, generator=loader_generator,
-    )
-
-    def snapshot_state():
-        model_state = model.state_dict()
-        for name, buffer in model.named_buffers():
-            if name in model_state:  # buffers change during forward (BatchNorm statistics): copy them now
-                model_state[name] = buffer.detach().clone()
-        return {
-            "model": model_state, "optimizer": optimizer.state_dict(), "scheduler": copy.deepcopy(scheduler.state_dict()),
-            "scaler": scaler.state_dict(), "step": progress.step, "progress": dataclasses.asdict(progress),
-            "config": cfg.to_dict(), "run_id": run_id, "torch_version": str(torch.__version__),
-        }
-
-    def save(blocking=False):
-        snapshots.save(progress.step, snapshot_state(), {"rng": capture_rng()}, blocking=blocking)
-
-    log.info(
-        "%s from step %d of %d: %d rank(s) x batch %d x accum %d = %d samples/step, %d steps/epoch, %d parameters",
-        "resuming" if resumed is not None else "training", progress.step, total_steps, env.world_size,
-        cfg.batch_size, cfg.grad_accum, global_batch, steps_per_epoch, sum(p.numel() for p in model.parameters()),
-    )
-    stop = StopRequest(env)
-    last_saved = progress.step if resumed is not None else None
-    loss_sum, loss_steps, last_loss = torch.zeros((), device=env.device), 0, math.nan
-    timer = time.perf_counter()
-    # Restore the random streams last, right before the first step, so nothing in between can draw from them.
-    if rng_state is not None:
-        restore_rng(rng_state)
-    else:  # a fresh start, or a resume with another number of ranks: new streams, distinct per rank and step
-        seed_everything(cfg.seed + env.rank + 1_000_003 * progress.step)
-    try:
-        with progress_bar(env, total_steps, progress.step) as bar:
-            while progress.step < total_steps and not stop.stopped:
-                sampler.set_position(progress.epoch, progress.samples_in_epoch)
-                loader_generator.manual_seed(cfg.seed * 1_000_003 + progress.epoch * 7_919 + env.rank)
-                batches = iter(loader)
-                for _ in range(sampler.steps()):
-                    loss_sum += _train_step(ddp_model, batches, optimizer, scaler, snapshots, cfg, env, amp_dtype)
-                    scheduler.step()
-                    progress.step += 1
-                    progress.samples_in_epoch += global_batch
-                    progress.samples_seen += global_batch
-                    loss_steps += 1
-                    bar.update()
-                    if progress.step in (1, total_steps) or progress.step % cfg.log_every == 0:
-                        last_loss = distributed.all_mean(env, loss_sum / loss_steps).item()
-                        if math.isnan(progress.first_loss):
-                            progress.first_loss = last_loss
-                        rate = loss_steps / (time.perf_counter() - timer)
-                        lr = scheduler.get_last_lr()[0]
-                        log.info("step %d/%d  epoch %d  loss %.4f  lr %.2e  %.1f steps/s",
-                                 progress.step, total_steps, progress.epoch, last_loss, lr, rate)
-                        tracker.log({"loss": last_loss, "lr": lr, "epoch": progress.epoch, "steps_per_s": rate},
-                                    progress.step)
-                        bar.set_postfix_str(f"loss {last_loss:.4f}")
-                        loss_sum.zero_()
-                        loss_steps, timer = 0, time.perf_counter()
-                    if progress.step % cfg.snapshot_every == 0:
-                        save()
-                        last_saved = progress.step
-                    if stop.agreed() or progress.step >= total_steps:
-                        break
-                else:
-                    progress.epoch += 1
-                    progress.samples_in_epoch = 0
-        stop.close()
-        if stop.stopped:
-            log.warning("stopping at step %d of %d on signal %d: saving a snapshot; run the same command again to "
-                        "resume", progress.step, total_steps, stop.signal)
-        if last_saved != progress.step:
-            save(blocking=True)
-        snapshots.wait()
-    finally:
-        tracker.finish()
-
-    summary = Summary(
-        world_size=env.world_size, steps=progress.step, resumed_from=resumed_from, first_loss=progress.first_loss,
-        last_loss=last_loss, snapshot_dir=snapshots.directory, newest_snapshot=step_name(progress.step),
-        log_file=os.path.abspath(cfg.log_file.replace("{rank}", "0")) if cfg.log_file else "",
-        stop_signal=stop.signal if stop.stopped else 0,
-    )
-    if not stop.stopped:
-        log.info("done: %d rank(s), %d steps%s, loss %.4f -> %.4f", summary.world_size, summary.steps,
-                 f" (resumed at step {resumed_from})" if resumed_from >= 0 else "", summary.first_loss, summary.last_loss)
-    log.info("snapshots: %s (newest %s)%s", summary.snapshot_dir, summary.newest_snapshot,
-             f"; log file: {summary.log_file}" if summary.log_file else "")
-    return summary
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    detail = next((line for line in lines if line.startswith(("Missing key", "Unexpected key", "size mismatch"))), "")
+    return (detail or (lines[0] if lines else type(exc).__name__))[:300]
 
 
-def _train_step(model, batches, optimizer, scaler, snapshots, cfg, env, amp_dtype):
-    """One optimizer step over --grad-accum micro-batches; returns the (unsynced) mean loss as a tensor."""
-    total = torch.zeros((), device=env.device)
-    for micro in range(cfg.grad_accum):
-        inputs, labels = next(batches)
-        inputs = inputs.to(env.device, non_blocking=True)
-        labels = labels.to(env.device, non_blocking=True)
-        last = micro == cfg.grad_accum - 1
-        # Gradients are all-reduced on the last micro-step only.
-        sync = contextlib.nullcontext() if last or not env.is_distributed else model.no_sync()
-        with sync:
-            with torch.autocast(env.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss = F.cross_entropy(model(inputs), labels) / cfg.grad_accum
-            scaler.scale(loss).backward()
-        total += loss.detach()
-    snapshots.fence()  # a snapshot in flight must have copied the weights before they change
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return total
+def _loss_first(item: tuple[str, float]) -> tuple[bool, str]:
+    return item[0] != "loss", item[0]
 
 
-def _restore(resumed, cfg, env, model, optimizer, scheduler, scaler):
-    """Load a snapshot into the training objects; return this rank's random streams, or None to re-seed them."""
-    model.load_state_dict(resumed["model"])
-    optimizer.load_state_dict(resumed["optimizer"])
-    scheduler.load_state_dict(resumed["scheduler"])
-    if scaler.is_enabled() and resumed["scaler"]:
-        scaler.load_state_dict(resumed["scaler"])
-    changed = [f"{key} {resumed['config'].get(key)!r} -> {getattr(cfg, key)!r}" for key in RESUME_SENSITIVE
-               if resumed["config"].get(key) != getattr(cfg, key)]
-    if changed:
-        log.warning("resuming with changed settings: %s", ", ".join(changed))
-    if resumed["world_size"] != env.world_size:
-        log.warning(
-            "the snapshot was written by %d rank(s) and this job has %d: model, optimizer, schedule and data position "
-            "(by samples seen) are restored and every rank's random streams are re-seeded, so this run will not "
-            "match an uninterrupted one bit for bit",
-            resumed["world_size"], env.world_size,
-        )
-        return None
-    return resumed["rank_state"]["rng"]
+def _val_text(summary: Summary) -> str:
+    return f", val_loss {summary.val_loss:.4f}" if math.isfinite(summary.val_loss) else ""
