@@ -1,50 +1,125 @@
 """Every setting of a run, its default and what it means, in one dataclass.
 
-Each field becomes a command-line flag (`batch_size` -> `--batch-size`); unknown flags are an error.
+Each field of `Config` becomes a command-line flag (`batch_size` -> `--batch-size`); a bool field becomes a pair,
+`--compile/--no-compile`; unknown flags are an error. `--config run.toml` reads settings from a TOML file whose keys
+are field names; flags on the command line override the file. The values a field accepts are declared on the field
+(`option(32, "...", min=1)`) and checked, for flags and file alike, before the run starts.
+
+The adapter is plain argparse rather than tyro: argparse is in the standard library, and the adapter (the second
+half of this file, under two hundred lines) is cheaper to keep than a dependency.
 """
+
+from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import math
+import operator
 import os
+import types
+import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 from . import baked
 
 AMP_MODES = ("off", "bf16", "fp16")
 WANDB_MODES = ("online", "offline", "disabled")
 BACKENDS = ("auto", "nccl", "gloo")
+RESUME_MODES = ("auto", "never")
+NONE_WORDS = ("", "none")  # what an optional field reads as None, on the command line and in a config file
+COMPARISONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 
 
-def option(default, help, **argparse_kwargs):
-    """A config field with its help text (shown by --help) and extra argparse settings."""
-    return field(default=default, metadata={"help": help, **argparse_kwargs})
+@dataclass(frozen=True)
+class Rules:
+    """The values a field accepts. Bounds: min/max inclusive, above/below exclusive."""
+
+    choices: tuple | None = None
+    min: float | None = None
+    max: float | None = None
+    above: float | None = None
+    below: float | None = None
+    nonempty: bool = False  # refuse ''
+    finite: bool = True  # refuse nan and +-inf in float fields
+    reason: str = ""  # why the bounds are what they are, shown when a value breaks them
+
+    def problem(self, value: Any) -> str | None:
+        """What is wrong with `value` ("must be > 0, got -1.0"), or None when it is allowed."""
+        if value is None:
+            return None
+        if self.choices is not None and value not in self.choices:
+            return f"must be one of {', '.join(map(str, self.choices))}, got {value!r}"
+        if self.nonempty and value == "":
+            return "must not be empty"
+        if isinstance(value, float) and self.finite and not math.isfinite(value):
+            return f"must be a finite number, got {value}"
+        bounds = [(sign, bound) for sign, bound in ((">=", self.min), (">", self.above), ("<=", self.max),
+                                                    ("<", self.below)) if bound is not None]
+        if all(COMPARISONS[sign](value, bound) for sign, bound in bounds):  # nan fails every comparison
+            return None
+        allowed = " and ".join(f"{sign} {bound}" for sign, bound in bounds)
+        why = f" ({self.reason})" if self.reason else ""
+        return f"must be {allowed}{why}, got {value}"
+
+
+def option(default: Any, help: str, *, choices: Sequence | None = None, min: float | None = None,
+           max: float | None = None, above: float | None = None, below: float | None = None, nonempty: bool = False,
+           finite: bool = True, reason: str = "") -> Any:
+    """A config field: its default, its help text (shown by --help; write % as %%) and the values it accepts."""
+    rules = Rules(tuple(choices) if choices is not None else None, min, max, above, below, nonempty, finite, reason)
+    return field(default=default, metadata={"help": help, "rules": rules})
 
 
 @dataclass
 class Config:
     # How long to train.
-    epochs: int = option(3, "passes over the dataset (ignored when --max-steps is set)")
-    max_steps: int = option(0, "stop after this many optimizer steps in total; 0 = run all epochs")
+    epochs: int = option(3, "passes over the dataset (ignored when --max-steps is set)", min=1)
+    max_steps: int = option(0, "stop after this many optimizer steps in total; 0 = run all epochs", min=0)
     # Optimization.
-    batch_size: int = option(32, "samples per rank per micro-step")
-    grad_accum: int = option(1, "micro-steps per optimizer step (gradients sync on the last one only)")
-    lr: float = option(3e-3, "peak learning rate (linear warmup, then cosine decay to 10%%)")
-    warmup_steps: int = option(20, "learning-rate warmup, in optimizer steps")
-    weight_decay: float = option(0.01, "AdamW weight decay")
+    batch_size: int = option(32, "samples per rank per micro-step", min=1)
+    grad_accum: int = option(1, "micro-steps per optimizer step (gradients sync on the last one only)", min=1)
+    lr: float = option(3e-3, "peak learning rate (linear warmup, then cosine decay to 10%%)", above=0, max=10)
+    warmup_steps: int = option(20, "learning-rate warmup, in optimizer steps", min=0)
+    weight_decay: float = option(0.01, "AdamW weight decay", min=0, max=1)
+    clip_grad: float = option(0.0, "clip the gradient norm to this; 0 = off", min=0)
     amp: str = option("off", "mixed precision: bf16, or fp16 (with a gradient scaler on CUDA)", choices=AMP_MODES)
-    seed: int = option(1337, "seed for weights, data order and every rank's random streams")
-    # Model and data (the defaults are a small demo: replace model.py and data.py with yours).
-    width: int = option(256, "hidden width of the demo model")
-    depth: int = option(3, "hidden layers of the demo model")
-    dropout: float = option(0.1, "dropout probability of the demo model")
-    dataset_size: int = option(8192, "samples in the demo dataset")
-    num_workers: int = option(0, "DataLoader worker processes per rank")
+    compile: bool = option(False, "torch.compile the model")
+    seed: int = option(1337, "seed for weights, data order and every rank's random streams", min=0, max=2**32 - 1)
+    # Evaluation and export.
+    eval_every: int = option(100, "evaluate every this many optimizer steps; 0 = only at the end", min=0)
+    export_dir: str = option("export", "final weights (model.pt) and the best by val_loss (best.pt) go here")
+    metrics_file: str = option("logs/metrics.jsonl", "one JSON object per logged step, written by rank 0; '' for none")
+    # Data loading.
+    num_workers: int = option(0, "DataLoader worker processes per rank", min=0)
+    # --- demo settings: delete them with the demo model and data ---
+    width: int = option(256, "hidden width of the demo model", min=1)
+    depth: int = option(3, "hidden layers of the demo model", min=1)
+    dropout: float = option(0.1, "dropout probability of the demo model", min=0, below=1)
+    dataset_size: int = option(8192, "training samples of the demo dataset", min=1)
+    val_size: int = option(2048, "validation samples of the demo dataset; 0 = no evaluation", min=0)
+    # --- end of demo settings ---
     # Snapshots (fault tolerance).
-    snapshot_dir: str = option("snapshots", "folder for snapshots; a run resumes from the newest good one in it")
-    snapshot_every: int = option(100, "save a snapshot every this many optimizer steps (and always at the end)")
-    keep_snapshots: int = option(3, "snapshots to keep (>= 2: the newest may be mid-write when a job dies)")
+    snapshot_dir: str = option("snapshots", "folder for snapshots; a run resumes from the newest good one in it",
+                               nonempty=True)
+    snapshot_every: int = option(100, "save a snapshot every this many optimizer steps (and always at the end)", min=1)
+    keep_snapshots: int = option(3, "snapshots to keep (>= 2: the newest may be mid-write when a job dies)", min=2,
+                                 reason="the newest snapshot may be mid-write when a job dies")
+    resume: str = option(
+        "auto",
+        "auto: continue from the newest good snapshot in --snapshot-dir; never: start from scratch, moving what the "
+        "folder holds aside (restarts of this same torchrun job still resume)",
+        choices=RESUME_MODES,
+    )
     # Logging and tracking.
-    log_every: int = option(10, "log the loss every this many optimizer steps")
+    log_every: int = option(10, "log the loss every this many optimizer steps", min=1)
     log_file: str = option(
         "logs/train.log",
         "log file: rank 0's records and every rank's warnings; put {rank} in the name for one full file per rank; "
@@ -52,60 +127,24 @@ class Config:
     )
     wandb: str = option(
         "",
-        "wandb mode on rank 0; default: " + ("online if a wandb API key is set up, else offline" if baked.USE_WANDB else "disabled"),
+        "wandb mode on rank 0; default: "
+        + ("online if a wandb API key is set up, else offline" if baked.USE_WANDB else "disabled"),
         choices=WANDB_MODES,
     )
     wandb_project: str = option(baked.WANDB_PROJECT, "wandb project")
     # Distributed.
     backend: str = option(baked.BACKEND, "process group backend: auto = nccl with CUDA, else gloo", choices=BACKENDS)
-    dist_timeout: float = option(600.0, "seconds a collective may wait for a rank before the job fails (long while debugging)")
-    threads_per_rank: int = option(0, "CPU threads per rank; 0 = this machine's cores / ranks on it")
+    dist_timeout: float = option(
+        600.0, "seconds a collective may wait for a rank before the job fails (long while debugging)",
+        above=0, max=7 * 24 * 3600,
+    )
+    threads_per_rank: int = option(0, "CPU threads per rank; 0 = this machine's cores / ranks on it", min=0)
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def _flag(name):
-    return "--" + name.replace("_", "-")
-
-
-def build_parser():
-    parser = argparse.ArgumentParser(
-        prog="train.py",
-        description="Train with DistributedDataParallel. Runs as `python train.py` or under torchrun.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    for spec in dataclasses.fields(Config):
-        extra = {k: v for k, v in spec.metadata.items() if k != "help"}
-        parser.add_argument(_flag(spec.name), type=spec.type, default=spec.default, help=spec.metadata["help"], **extra)
-    return parser
-
-
-POSITIVE = ("epochs", "batch_size", "grad_accum", "snapshot_every", "log_every", "width", "depth", "dataset_size")
-NON_NEGATIVE = ("max_steps", "warmup_steps", "num_workers", "threads_per_rank")
-
-
-def validate(cfg, fail):
-    """Call fail(message) for the first setting that cannot work."""
-    for name in POSITIVE:
-        if getattr(cfg, name) < 1:
-            fail(f"{_flag(name)} must be >= 1, got {getattr(cfg, name)}")
-    for name in NON_NEGATIVE:
-        if getattr(cfg, name) < 0:
-            fail(f"{_flag(name)} must be >= 0, got {getattr(cfg, name)}")
-    if cfg.keep_snapshots < 2:
-        fail(f"--keep-snapshots must be >= 2 (the newest snapshot may be mid-write when a job dies), got {cfg.keep_snapshots}")
-    if not 0 <= cfg.dropout < 1:
-        fail(f"--dropout must be in [0, 1), got {cfg.dropout}")
-    if not cfg.lr > 0:
-        fail(f"--lr must be > 0, got {cfg.lr}")
-    if not cfg.dist_timeout > 0:
-        fail(f"--dist-timeout must be > 0 seconds, got {cfg.dist_timeout}")
-    if not cfg.snapshot_dir:
-        fail("--snapshot-dir must not be empty")
-
-
-def default_wandb_mode():
+def default_wandb_mode() -> str:
     """Online only when wandb can log in without asking; never stop a run at a login prompt."""
     if not baked.USE_WANDB:
         return "disabled"
@@ -121,10 +160,186 @@ def default_wandb_mode():
         return "offline"
 
 
-def parse_args(argv=None):
-    parser = build_parser()
-    cfg = Config(**vars(parser.parse_args(argv)))
-    validate(cfg, parser.error)
-    if not cfg.wandb:
-        cfg.wandb = default_wandb_mode()
+# ---- The adapter: any dataclass of settings <-> the command line and TOML files. ----
+
+SCALARS = (bool, int, float, str)
+SettingsT = TypeVar("SettingsT")  # Config, or a settings dataclass of the user's own
+TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One field of a config dataclass, as the command line and config files see it."""
+
+    name: str
+    type: type  # one of SCALARS
+    optional: bool  # also accepts None
+    default: Any
+    help: str
+    rules: Rules
+
+
+def settings(config_cls: type) -> list[Setting]:
+    """The fields of `config_cls` with their resolved types; a TypeError for a field the adapter cannot express."""
+    hints = typing.get_type_hints(config_cls)  # resolves string annotations (from __future__ import annotations)
+    found = []
+    for spec in dataclasses.fields(config_cls):
+        hint, optional = hints[spec.name], False
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            rest = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+            optional = len(rest) < len(typing.get_args(hint))
+            hint = rest[0] if optional and len(rest) == 1 else hint
+        if hint not in SCALARS:
+            raise TypeError(f"{config_cls.__name__}.{spec.name}: type {hints[spec.name]} is not supported "
+                            f"(use int, float, str, bool, or one of them | None)")
+        if spec.default is dataclasses.MISSING:
+            raise TypeError(f"{config_cls.__name__}.{spec.name} needs a default")
+        found.append(Setting(spec.name, hint, optional, spec.default, spec.metadata.get("help", ""),
+                             spec.metadata.get("rules", Rules())))
+    return found
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a field: batch_size -> --batch-size."""
+    return "--" + name.replace("_", "-")
+
+
+def _or_none(convert):
+    """An argparse type for an optional field: NONE_WORDS (any case) mean None, anything else goes to convert."""
+
+    def parse(text: str):
+        return None if text.strip().lower() in NONE_WORDS else convert(text)
+
+    parse.__name__ = convert.__name__  # argparse names it in "invalid int value: 'x'"
+    return parse
+
+
+def build_parser(config_cls: type = Config) -> argparse.ArgumentParser:
+    """The command line of `config_cls`: one flag per field, --x/--no-x for bools, and --config FILE."""
+    parser = argparse.ArgumentParser(
+        prog="train.py",
+        description="Train with DistributedDataParallel. Runs as `python train.py` or under torchrun.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,  # a prefix must not quietly pick a flag (or hide --config from the first pass)
+    )
+    parser.add_argument("--config", metavar="FILE", help="read settings from this TOML file (keys are setting names, "
+                        "e.g. batch_size = 64); flags on the command line override it")
+    for setting in settings(config_cls):
+        if setting.type is bool:
+            parser.add_argument(flag(setting.name), dest=setting.name, action=argparse.BooleanOptionalAction,
+                                default=setting.default, help=setting.help)
+            continue
+        choices = setting.rules.choices
+        if choices is not None and setting.optional:
+            choices = (*choices, None)
+        parser.add_argument(flag(setting.name), dest=setting.name, default=setting.default, help=setting.help,
+                            type=_or_none(setting.type) if setting.optional else setting.type, choices=choices)
+    return parser
+
+
+def _toml_kind(value: Any) -> str:
+    kinds = {bool: "a boolean", int: "an integer", float: "a float", str: "a string", dict: "a table", list: "an array"}
+    return kinds.get(type(value), "a date or time")
+
+
+def _from_toml(setting: Setting, value: Any) -> Any:
+    """The value of `setting` a TOML value stands for; ValueError when its TOML type does not fit."""
+    if setting.optional and isinstance(value, str) and value.strip().lower() in NONE_WORDS:
+        return None
+    if setting.type is float and type(value) is int:
+        return float(value)  # `lr = 1` means 1.0
+    if type(value) is setting.type:  # exact: TOML true is not an integer
+        return value
+    raise ValueError(f"must be {TYPE_WORDS[setting.type]}{' or none' if setting.optional else ''}, "
+                     f"got {_toml_kind(value)} ({value!r})")
+
+
+def read_config_file(path: str, config_cls: type = Config) -> dict[str, Any]:
+    """The settings a TOML file sets, by field name; ValueError with one line naming the file on any problem."""
+    try:
+        with open(path, "rb") as handle:
+            table = tomllib.load(handle)
+    except OSError as exc:
+        raise ValueError(f"--config {path}: cannot read it: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"--config {path}: not valid TOML: {exc}") from exc
+    by_name = {setting.name: setting for setting in settings(config_cls)}
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name not in by_name:
+            close = difflib.get_close_matches(name, by_name, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"--config {path}: unknown setting {key!r}{hint}")
+        if name in values:
+            raise ValueError(f"--config {path}: {name!r} is set twice")
+        try:
+            values[name] = _from_toml(by_name[name], value)
+        except ValueError as exc:
+            raise ValueError(f"--config {path}: {key!r} {exc}") from None
+    return values
+
+
+def _config_path(argv: Sequence[str] | None) -> str | None:
+    """--config, read before the real parse so that the file's values can become the parser's defaults."""
+    first_pass = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    first_pass.add_argument("--config")
+    known, _ = first_pass.parse_known_args(argv)
+    return known.config
+
+
+def parse_args(argv: Sequence[str] | None = None, config_cls: type[SettingsT] = Config) -> SettingsT:
+    """Settings from --config FILE, then the command line on top; exit 2 with one line on the first bad value."""
+    parser = build_parser(config_cls)
+    path = _config_path(argv)
+    from_file: dict[str, Any] = {}
+    if path is not None:
+        try:
+            from_file = read_config_file(path, config_cls)
+        except ValueError as exc:
+            parser.error(str(exc))
+        parser.set_defaults(**from_file)
+    values = vars(parser.parse_args(argv))
+    del values["config"]
+    cfg = config_cls(**values)
+    for setting in settings(config_cls):
+        value = getattr(cfg, setting.name)
+        if setting.rules.choices and value == setting.default:
+            continue  # a default outside the choices means "decide at run time" (--wandb '')
+        problem = setting.rules.problem(value)
+        if problem:
+            in_file = setting.name in from_file and (from_file[setting.name] is value or from_file[setting.name] == value)
+            parser.error(f"{flag(setting.name)} {problem}" + (f" (set by {setting.name} in {path})" if in_file else ""))
+    if isinstance(cfg, Config) and not cfg.wandb:
+        cfg = dataclasses.replace(cfg, wandb=default_wandb_mode())
     return cfg
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)  # repr of a float reads back bit for bit; inf and nan are TOML too
+    escaped = []
+    for char in value:
+        if char in '"\\':
+            escaped.append("\\" + char)
+        elif ord(char) < 0x20 or ord(char) == 0x7F:
+            escaped.append(f"\\u{ord(char):04X}")
+        else:
+            escaped.append(char)
+    return '"' + "".join(escaped) + '"'
+
+
+def to_toml(cfg: Any) -> str:
+    """The settings of `cfg` as a TOML file that --config reads back to an equal config.
+
+    None is left out where it is the default, and written as "none" where it is not.
+    """
+    lines = []
+    for setting in settings(type(cfg)):
+        value = getattr(cfg, setting.name)
+        if value is None and setting.default is None:
+            continue
+        lines.append(f"{setting.name} = {_toml_value('none' if value is None else value)}")
+    return "\n".join(lines) + "\n"
