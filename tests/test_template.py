@@ -16,8 +16,14 @@ AWKWARD = {
     "description": 'Says "hi", it\'s got \\backslashes\\, tabs\tand emoji 🤖 — and {braces}',
     "author": "Zoë O'Connor \"ZO\" \\",
 }
-# The quick part of a baked project's own suite, run for every variant; the default bake runs all of it.
+# The quick part of a baked project's own suite, run for every variant; the whole suite runs once, on a bake whose
+# demo model and data were replaced by a user's own (test_own_model_and_data_pass_the_whole_suite).
 FAST_OWN_TESTS = ["tests/test_snapshot.py", "tests/test_sbatch.py", "tests/test_config.py::test_help_lists_every_contract_flag"]
+OWN_MODEL = ROOT / "tests" / "own_model"
+DEMO_BLOCK = re.compile(
+    r"^[ \t]*# --- demo settings: delete them with the demo model and data ---\n.*?^[ \t]*# --- end of demo settings ---\n",
+    re.M | re.S,
+)
 
 
 def bake(tmp_path, **answers):
@@ -68,17 +74,38 @@ def strip_jsonc(text):
     return re.sub(r",(\s*[}\]])", r"\1", "".join(out))
 
 
-def test_defaults_bake_a_project_that_passes_its_own_tests(tmp_path):
+def swap_in_own_model(project):
+    """What a user does: replace model.py and data.py with their own, delete the demo settings from config.py."""
+    package = project / project.name
+    for name in ("model.py", "data.py"):
+        (package / name).write_text((OWN_MODEL / name).read_text())
+    config = package / "config.py"
+    text, removed = DEMO_BLOCK.subn("", config.read_text())
+    assert removed == 1, "config.py must hold exactly one marked demo-settings block"
+    config.write_text(text)
+
+
+def test_defaults_bake_a_project_that_passes_the_quick_part_of_its_tests(tmp_path):
     project = bake(tmp_path)
     assert project.name == "ddp_project"
     for name in ["train.py", "pyproject.toml", "README.md", ".vscode/launch.json", "ddp_project/snapshot.py",
                  "tests/conftest.py"]:
         assert (project / name).is_file(), name
     assert list((project / "scripts").glob("*.sbatch"))
-    result = run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", timeout=900)
+    run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FAST_OWN_TESTS)
+
+
+def test_own_model_and_data_pass_the_whole_suite(tmp_path):
+    """The seam, kept honest: a user's CNN with BatchNorm and their own data, the demo deleted, every test unchanged."""
+    project = bake(tmp_path)
+    swap_in_own_model(project)
+    demo_names = re.compile(r"--width|--depth|--dropout|--dataset-size|--val-size|TeacherDataset|\bMLP\b")
+    for path in [*project.glob("ddp_project/*.py"), *project.glob("tests/*.py"), project / "train.py"]:
+        assert not demo_names.search(path.read_text()), f"{path.relative_to(project)} still names the demo"
+    result = run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", timeout=1200)
     summary = result.stdout.strip().splitlines()[-1]
     assert re.search(r"\d+ passed", summary) and "failed" not in summary, summary
-    print(f"baked project's own tests: {summary}")
+    print(f"the swapped-in model's run of the baked suite: {summary}")
 
 
 def test_slug_is_derived_from_the_name(tmp_path):

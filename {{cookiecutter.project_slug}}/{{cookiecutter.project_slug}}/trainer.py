@@ -264,8 +264,11 @@ class Trainer:
         except SnapshotError as exc:
             raise RunError(str(exc)) from None
         self.progress, rng_state, self.resumed_from = Progress(step_samples=self.global_batch), None, -1
-        if resumed is not None:
-            rng_state = self._restore(resumed)
+        try:
+            rng_state = self._restore(resumed) if resumed is not None else None
+        except BaseException:
+            self.snapshots.close()  # let go of the folder: the job lock is this run's
+            raise
         self.length = RunLength(cfg, self.progress.step_samples, len(self.train_data))
         self.total_steps = self.length.steps(self.progress, self.global_batch)
         self._write_config()
@@ -429,8 +432,13 @@ class Trainer:
     def __enter__(self) -> "Trainer":
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, kind, error, traceback) -> None:
+        try:
+            if kind is None or issubclass(kind, RunError):
+                self.snapshots.wait()  # a save in flight holds a good state: let it commit (not after a failure,
+                # where a lost rank's part may never come)
+        finally:
+            self.close()
 
     # -- helpers -----------------------------------------------------------------------------------------------
 
@@ -448,15 +456,19 @@ class Trainer:
     def _restore(self, resumed: dict) -> dict | None:
         """Load a snapshot into the training objects; return this rank's random streams, or None to re-seed them."""
         folder = os.path.join(self.snapshots.directory, step_name(resumed["step"]))
+        misfit = _misfit(self.model.state_dict(), resumed["model"])
         try:
-            self.model.load_state_dict(resumed["model"])
-            self.optimizer.load_state_dict(resumed["optimizer"])
+            if not misfit:
+                self.model.load_state_dict(resumed["model"])
+                self.optimizer.load_state_dict(resumed["optimizer"])
         except (RuntimeError, ValueError, KeyError) as exc:
+            misfit = f"{type(exc).__name__} loading it"
+        if misfit:
             raise RunError(
-                f"the snapshot {folder} does not fit this model ({_first_line(exc)}): it was written for another "
-                f"model. Start from scratch with {flag('resume')} never (what the folder holds is moved aside), or "
-                f"pass another {flag('snapshot_dir')}"
-            ) from None
+                f"the snapshot {folder} does not fit this model ({misfit}): it was written for another model. Start "
+                f"from scratch with {flag('resume')} never (what the folder holds is moved aside), or pass another "
+                f"{flag('snapshot_dir')}"
+            )
         for group in self.optimizer.param_groups:  # from the command line, not the snapshot (see the docstring)
             group["weight_decay"] = self.cfg.weight_decay
         if self.scaler.is_enabled() and resumed["scaler"]:
@@ -621,10 +633,14 @@ def progress_bar(env: DistEnv, total: int, initial: int):
                 disable=not (env.is_main and sys.stderr.isatty()))
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    detail = next((line for line in lines if line.startswith(("Missing key", "Unexpected key", "size mismatch"))), "")
-    return (detail or (lines[0] if lines else type(exc).__name__))[:300]
+def _misfit(expected: dict, found: dict) -> str:
+    """How a snapshot's weights differ from the model's, in a few words; '' when they fit."""
+    missing = [k for k in expected if k not in found]
+    unexpected = [k for k in found if k not in expected]
+    reshaped = [k for k in expected if k in found and getattr(found[k], "shape", None) != expected[k].shape]
+    parts = [f"{len(names)} {what}, e.g. {names[0]!r}" for names, what in
+             ((missing, "missing"), (unexpected, "unexpected"), (reshaped, "of another shape")) if names]
+    return "; ".join(parts)
 
 
 def _loss_first(item: tuple[str, float]) -> tuple[bool, str]:

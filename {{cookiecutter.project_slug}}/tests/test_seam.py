@@ -1,0 +1,257 @@
+"""The seam a user fills (data.py, model.py) and what the trainer promises around it, whatever the model:
+the data position and the schedule, exact evaluation, export, resume control, and a run that diverges.
+
+Nothing here names the demo's settings or classes: these tests pass unchanged with your own model and data.
+"""
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, child_env, run, start, finish, train_cmd
+
+sys.path.insert(0, str(ROOT))
+
+from {{ cookiecutter.project_slug }} import config, model, trainer  # noqa: E402
+from {{ cookiecutter.project_slug }}.data import build_datasets  # noqa: E402
+from {{ cookiecutter.project_slug }}.distributed import DistEnv  # noqa: E402
+from {{ cookiecutter.project_slug }}.snapshot import Snapshots, capture_rng, load_latest  # noqa: E402
+
+FAST = ["--wandb", "disabled", "--log-every", "5"]
+
+
+def files(tmp_path, name="run"):
+    """Every file a run writes, in its own folder under tmp_path."""
+    folder = tmp_path / name
+    return ["--snapshot-dir", str(folder / "snapshots"), "--log-file", str(folder / "train.log"),
+            "--metrics-file", str(folder / "metrics.jsonl"), "--export-dir", str(folder / "export")]
+
+
+def summary(tmp_path, name="run"):
+    return json.loads((tmp_path / name / "export" / "summary.json").read_text())
+
+
+def metrics(tmp_path, name="run"):
+    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def cfg_of(*args):
+    return config.parse_args(["--wandb", "disabled", *args])
+
+
+# The data position and the schedule, in process.
+
+class Indices(torch.utils.data.Dataset):
+    """A dataset whose items are their own indices, to see which samples a step takes."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        return torch.tensor(index), torch.tensor(0)
+
+
+def steps_taken(dataset, cfg, world_size, progress, steps):
+    """The sample indices each of `steps` optimizer steps takes on all ranks together, from `progress`."""
+    taken = [[] for _ in range(steps)]
+    for rank in range(world_size):
+        rank_progress = trainer.Progress(**vars(progress))
+        batches = trainer.Batches(dataset, cfg, DistEnv(rank=rank, world_size=world_size), rank_progress)
+        for step in range(steps):
+            taken[step] += [int(i) for inputs, _ in next(batches) for i in inputs]
+    return taken, rank_progress
+
+
+@pytest.mark.parametrize("world_size, grad_accum", [(1, 1), (2, 1), (3, 2)])
+def test_k_steps_take_exactly_the_first_k_global_batches_of_the_epoch_order(world_size, grad_accum):
+    cfg = cfg_of("--batch-size", "4", "--grad-accum", str(grad_accum))
+    dataset, global_batch = Indices(101), world_size * 4 * grad_accum
+    order = torch.randperm(101, generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    per_epoch = 101 // global_batch
+    taken, progress = steps_taken(dataset, cfg, world_size, trainer.Progress(), per_epoch + 2)
+    for step in range(per_epoch):
+        assert sorted(taken[step]) == sorted(order[step * global_batch:(step + 1) * global_batch])
+    # The epoch's leftover (101 is no multiple of the global batch) is skipped; the next epoch has its own order.
+    next_order = torch.randperm(101, generator=torch.Generator().manual_seed(cfg.seed + 1)).tolist()
+    assert sorted(taken[per_epoch]) == sorted(next_order[:global_batch])
+    assert (progress.epoch, progress.samples_in_epoch) == (1, 2 * global_batch)
+
+    # Resuming from the position after 3 steps takes what the uninterrupted run took next.
+    position = trainer.Progress(samples_in_epoch=3 * global_batch, samples_seen=3 * global_batch)
+    resumed, _ = steps_taken(dataset, cfg, world_size, position, 2)
+    assert resumed == taken[3:5]
+
+
+def test_the_run_length_and_the_schedule_are_kept_in_samples_across_world_sizes():
+    cfg = cfg_of("--max-steps", "60", "--warmup-steps", "10", "--lr", "0.01")
+    length = trainer.RunLength(cfg, step_samples=32, train_size=10_000)
+    assert length.lr(0) == pytest.approx(0.001) and length.lr(9 * 32) == pytest.approx(0.01)
+    assert length.lr(10 * 32) == pytest.approx(0.01) and length.lr(60 * 32) == pytest.approx(0.001)
+    assert all(length.lr(a) >= length.lr(b) for a, b in zip(range(320, 1920, 32), range(352, 1952, 32)))
+    # 20 steps of 32 samples done; on 2 ranks the 40 steps of 32 left are 20 steps of 64.
+    assert length.steps(trainer.Progress(step=20, samples_seen=640), global_batch=64) == 40
+    assert length.steps(trainer.Progress(step=30, samples_seen=1280), global_batch=32) == 50
+    epochs = trainer.RunLength(cfg_of("--epochs", "2"), step_samples=32, train_size=1000)
+    assert epochs.samples == 2 * (1000 // 32) * 32
+
+
+# Evaluation and export, for real.
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("seam")
+    run(train_cmd(2) + FAST + ["--max-steps", "30", "--eval-every", "10", "--snapshot-every", "10"] + files(tmp_path))
+    return tmp_path
+
+
+def evaluate_in_one_process(weights):
+    """val_loss and the val metrics of `weights`, computed by one process over the whole validation set."""
+    train, val = build_datasets(cfg_of())
+    net = model.build_model(cfg_of(), train)
+    net.load_state_dict(weights)
+    net.eval()
+    inputs, targets = torch.utils.data.default_collate([val[i] for i in range(len(val))])
+    with torch.no_grad():
+        outputs = net(inputs)
+    results = {"val_loss": model.loss_fn(outputs, targets).item()}
+    for name, value in getattr(model, "val_metrics", lambda o, t: {})(outputs, targets).items():
+        results[f"val_{name}"] = float(value) / len(val)
+    return results
+
+
+def test_two_rank_evaluation_equals_one_process_on_the_same_weights(two_rank_run):
+    if build_datasets(cfg_of())[1] is None:
+        pytest.skip("build_datasets returns no validation set")
+    last = metrics(two_rank_run)[-1]
+    assert last["step"] == 30 and "val_loss" in last
+    weights = torch.load(two_rank_run / "run" / "export" / "model.pt", weights_only=True)
+    expected = evaluate_in_one_process(weights)
+    assert {k for k in last if k.startswith("val_")} == set(expected)
+    for name, value in expected.items():
+        assert last[name] == pytest.approx(value, rel=1e-6, abs=1e-9), name
+    assert summary(two_rank_run)["val_loss"] == last["val_loss"]
+
+
+def test_export_loads_into_a_fresh_model_without_the_training_code(two_rank_run):
+    export = two_rank_run / "run" / "export"
+    weights = torch.load(export / "model.pt", weights_only=True)
+    final = load_latest(str(two_rank_run / "run" / "snapshots"))
+    assert final["step"] == 30
+    assert weights.keys() == final["model"].keys()
+    assert all(torch.equal(weights[k], final["model"][k]) for k in weights), "model.pt holds the final weights"
+    net = model.build_model(cfg_of(), build_datasets(cfg_of())[0])
+    net.load_state_dict(weights)  # a plain state dict: no "module." prefix, nothing but tensors
+    if build_datasets(cfg_of())[1] is not None:
+        best = summary(two_rank_run)
+        records = {r["step"]: r for r in metrics(two_rank_run) if "val_loss" in r}
+        assert best["best_val_loss"] == min(r["val_loss"] for r in records.values())
+        assert records[best["best_step"]]["val_loss"] == best["best_val_loss"]
+        best_weights = torch.load(export / "best.pt", weights_only=True)
+        assert evaluate_in_one_process(best_weights)["val_loss"] == pytest.approx(best["best_val_loss"], rel=1e-6)
+
+
+def test_metrics_file_has_one_record_per_logged_step(two_rank_run):
+    records = metrics(two_rank_run)
+    steps = [r["step"] for r in records]
+    assert steps == sorted(set(steps)) == [1, 5, 10, 15, 20, 25, 30] or steps == [5, 10, 15, 20, 25, 30]
+    assert all(math.isfinite(r["loss"]) and r["lr"] > 0 and r["samples_per_s"] > 0 for r in records)
+
+
+# Resume control.
+
+def test_a_finished_run_launched_again_says_so_with_its_real_last_loss(tmp_path):
+    cmd = train_cmd() + FAST + ["--max-steps", "10"] + files(tmp_path)
+    run(cmd)
+    first = summary(tmp_path)
+    run(cmd)
+    again = summary(tmp_path)
+    assert (again["already_complete"], again["steps"], again["resumed_from"]) == (True, 10, 10)
+    assert again["last_loss"] == first["last_loss"] and math.isfinite(again["last_loss"])
+
+
+def test_changed_lr_and_weight_decay_apply_on_resume(tmp_path):
+    run(train_cmd() + FAST + ["--max-steps", "20", "--snapshot-every", "10"] + files(tmp_path, "a"))
+    changed = ["--max-steps", "30", "--lr", "0.001", "--weight-decay", "0.05"]
+    run(train_cmd() + FAST + changed + files(tmp_path, "a"))
+    run(train_cmd() + FAST + changed + files(tmp_path, "fresh"))
+    resumed_lr = {r["step"]: r["lr"] for r in metrics(tmp_path, "a")}
+    fresh_lr = {r["step"]: r["lr"] for r in metrics(tmp_path, "fresh")}
+    assert resumed_lr[25] == fresh_lr[25] and resumed_lr[30] == fresh_lr[30], "the new schedule, rescaled"
+    optimizer = load_latest(str(tmp_path / "a" / "snapshots"))["optimizer"]
+    assert {group["weight_decay"] for group in optimizer["param_groups"]} == {0.05}
+
+
+def write_snapshot_of_another_model(folder):
+    snapshots = Snapshots(folder, DistEnv(), keep=3)
+    snapshots.prepare(estimated_bytes=1)
+    state = {"model": {"some_other_layer.weight": torch.zeros(3, 3)}, "optimizer": {}, "scaler": {}, "step": 5,
+             "progress": {"step": 5}, "config": {}, "run_id": "x"}
+    snapshots.save(5, state, {"rng": capture_rng()}, blocking=True)
+    snapshots.close()
+
+
+def test_a_snapshot_of_another_model_stops_with_one_line_and_resume_never_sets_it_aside(tmp_path):
+    snapshot_dir = tmp_path / "run" / "snapshots"
+    write_snapshot_of_another_model(snapshot_dir)
+    cmd = train_cmd(2) + FAST + ["--max-steps", "6"] + files(tmp_path)
+    result = run(cmd, check=False)
+    assert result.returncode != 0
+    errors = [line for line in result.stdout.splitlines() if " ERROR " in line]
+    assert len(errors) == 1, result.stdout[-4000:]
+    assert str(snapshot_dir / "step-00000005") in errors[0] and "--resume never" in errors[0]
+    assert "Traceback" not in (tmp_path / "run" / "train.log").read_text()  # the job's own log: no traceback
+
+    run(cmd + ["--resume", "never"])
+    assert summary(tmp_path)["resumed_from"] == -1 and summary(tmp_path)["steps"] == 6
+    (aside,) = tmp_path.joinpath("run").glob("snapshots.set-aside-*")
+    assert (aside / "step-00000005" / "manifest.json").is_file(), "the old snapshots are kept, set aside"
+    # The next launch in auto mode continues the new run, not the set-aside one.
+    run(train_cmd() + FAST + ["--max-steps", "8"] + files(tmp_path))
+    assert summary(tmp_path)["resumed_from"] == 6
+
+
+def test_resume_never_without_snapshots_just_trains(tmp_path):
+    run(train_cmd() + FAST + ["--max-steps", "3", "--resume", "never"] + files(tmp_path))
+    assert summary(tmp_path)["resumed_from"] == -1
+    assert not list(tmp_path.joinpath("run").glob("snapshots.set-aside-*"))
+
+
+# A run that diverges.
+
+NAN_AFTER = """
+import sys
+sys.path.insert(0, {root!r})
+import train
+from {package} import model
+
+original, calls = model.loss_fn, [0]
+
+
+def loss_fn(outputs, targets):
+    calls[0] += 1
+    loss = original(outputs, targets)
+    return loss * float("nan") if calls[0] > {after} else loss
+
+
+model.loss_fn = loss_fn
+train.main(sys.argv[1:])
+"""
+
+
+def test_a_loss_that_turns_nan_stops_the_run_before_a_snapshot_of_it(tmp_path):
+    script = tmp_path / "nan_after.py"
+    script.write_text(NAN_AFTER.format(root=str(ROOT), package="{{ cookiecutter.project_slug }}", after=23))
+    cmd = [sys.executable, str(script), "--wandb", "disabled", "--max-steps", "40", "--log-every", "10",
+           "--snapshot-every", "5", "--eval-every", "0"] + files(tmp_path)
+    result = run(cmd, check=False)
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert "Traceback" not in result.stdout
+    newest = load_latest(str(tmp_path / "run" / "snapshots"))
+    assert newest["step"] == 20, "the snapshot of step 25 would hold NaN weights"
+    assert all(torch.isfinite(t).all() for t in newest["model"].values() if t.is_floating_point())
