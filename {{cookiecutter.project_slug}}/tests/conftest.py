@@ -1,5 +1,6 @@
 """Helpers for tests that run the real thing: train.py in processes, under torchrun, on gloo."""
 
+import json
 import os
 import signal
 import socket
@@ -13,8 +14,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "{{ cookiecutter.project_slug }}"
-# A short run of the demo, fast enough for tests.
-QUICK = ["--wandb", "disabled", "--dataset-size", "2048", "--width", "64", "--log-every", "5"]
+# Settings every test run shares. They name no setting of the model or the data, so the tests run unchanged on
+# whatever model.py and data.py hold.
+QUICK = ["--wandb", "disabled", "--log-every", "5"]
 
 
 def child_env(**extra):
@@ -35,7 +37,36 @@ def train_cmd(nproc=None, torchrun_args=(), script="train.py"):
 
 
 def outputs(tmp_path, name="run"):
-    return ["--snapshot-dir", str(tmp_path / f"{name}-snapshots"), "--log-file", str(tmp_path / f"{name}.log")]
+    """Every file a run writes, under tmp_path: snapshots, log, exported weights and summary, metrics."""
+    return ["--snapshot-dir", str(tmp_path / f"{name}-snapshots"), "--log-file", str(tmp_path / f"{name}.log"),
+            "--export-dir", str(tmp_path / f"{name}-export"), "--metrics-file", str(tmp_path / f"{name}-metrics.jsonl")]
+
+
+def summary(tmp_path, name="run"):
+    """The summary.json rank 0 wrote at the end of the last attempt of `name` that finished."""
+    return json.loads((tmp_path / f"{name}-export" / "summary.json").read_text())
+
+
+def metrics(tmp_path, name="run"):
+    """The records of the metrics file of `name`, one per logged step (an absent file: none)."""
+    path = tmp_path / f"{name}-metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def default_config():
+    """The settings of a run with no flags."""
+    from {{ cookiecutter.project_slug }} import config
+
+    return config.parse_args([])
+
+
+def default_datasets():
+    """(train, val) as the project builds them with the default settings: the seam, whatever it holds."""
+    from {{ cookiecutter.project_slug }}.data import build_datasets
+
+    return build_datasets(default_config())
 
 
 def run(cmd, env=None, timeout=300, cwd=None, check=True):

@@ -50,16 +50,16 @@ def in_target_save(path):
 
 
 if FAULT == "raise_at_step" and RANK == FAULT_RANK:
-    original_step = trainer._train_step
+    original_step = trainer.Trainer.optimizer_step
     calls = [0]
 
-    def failing_step(*args, **kwargs):
+    def failing_step(self, *args, **kwargs):
         calls[0] += 1
         if calls[0] == FAULT_STEP and should_fire():
             raise RuntimeError(f"injected failure on rank {RANK} at step {FAULT_STEP}")
-        return original_step(*args, **kwargs)
+        return original_step(self, *args, **kwargs)
 
-    trainer._train_step = failing_step
+    trainer.Trainer.optimizer_step = failing_step
 
 if FAULT == "crash_in_save" and RANK == FAULT_RANK:
     target = snapshot.MANIFEST if os.environ.get("FAULT_FILE") == "manifest" else snapshot.rank_file(RANK)
