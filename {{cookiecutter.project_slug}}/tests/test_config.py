@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from conftest import QUICK, outputs, run, train_cmd
+from conftest import QUICK, default_datasets, metrics, outputs, run, train_cmd
 
 CONTRACT_FLAGS = ["--epochs", "--batch-size", "--lr", "--seed", "--max-steps", "--snapshot-dir", "--snapshot-every",
-                  "--keep-snapshots", "--amp", "--grad-accum", "--wandb", "--log-file"]
+                  "--keep-snapshots", "--amp", "--grad-accum", "--wandb", "--log-file", "--eval-every", "--resume",
+                  "--clip-grad", "--compile", "--no-compile", "--metrics-file", "--export-dir"]
 
 
 def test_help_lists_every_contract_flag():
@@ -31,9 +32,13 @@ def test_bad_values_are_refused_before_training(tmp_path, args, message):
 
 
 def test_dataset_smaller_than_one_step_is_explained(tmp_path):
-    result = run(train_cmd() + QUICK + ["--dataset-size", "10"] + outputs(tmp_path), check=False)
-    assert result.returncode != 0
-    assert "fewer than one optimizer step takes" in result.stdout
+    train, _ = default_datasets()
+    result = run(train_cmd() + QUICK + ["--batch-size", str(len(train) + 1)] + outputs(tmp_path), check=False)
+    assert result.returncode == 2, result.stdout[-3000:]
+    errors = [line for line in result.stdout.splitlines() if " ERROR [rank 0] " in line]
+    assert len(errors) == 1 and "--batch-size" in errors[0] and str(len(train)) in errors[0], result.stdout[-3000:]
+    assert "Traceback" not in result.stdout
+    assert not (tmp_path / "run-snapshots").exists() and not metrics(tmp_path), "nothing is trained or saved"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA GPUs")
