@@ -9,21 +9,29 @@ While debugging, the process group's timeout is a day, so the other ranks wait f
 breakpoint instead of failing. Under VSCode's F5 ("torchrun (F5)") every rank already runs under the
 debugger (DEBUGPY_RUNNING is set) and nothing here is needed. With no DEBUG_* variable set, debugpy is
 not even imported.
+
+    DEBUG_RANK=all DEBUG_POSTMORTEM=1 torchrun ... train.py    # post-mortem: train at full speed; a chosen
+                                                               # rank that raises waits for a debugger there
+
+With DEBUG_POSTMORTEM=1 the chosen ranks don't wait at the start. One that fails prints
+`rank N waiting for debugger on HOST:PORT (post-mortem)` and waits; a debugger that attaches stops at the
+exception, with the frames of its traceback to inspect. When the debugger detaches (or continues), the rank
+exits with its error as it would have. The other ranks wait meanwhile, as they do for a breakpoint.
 """
 
 import ipaddress
 import os
 import sys
 
-from . import baked
+from . import baked, logs
 
 
-def requested():
+def requested() -> bool:
     """True when a debugger is or may be attached to this process: collectives must then wait patiently."""
     return bool(os.environ.get("DEBUG_RANK")) or bool(os.environ.get("DEBUGPY_RUNNING"))
 
 
-def chosen_ranks(value, world_size):
+def chosen_ranks(value: str, world_size: int) -> set[int]:
     """The global ranks named by DEBUG_RANK: a number, a comma list, or `all`."""
     if value.strip().lower() == "all":
         return set(range(world_size))
@@ -38,7 +46,7 @@ def chosen_ranks(value, world_size):
     return ranks
 
 
-def is_loopback(host):
+def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
@@ -47,7 +55,7 @@ def is_loopback(host):
         return False
 
 
-def debug_address(local_rank):
+def debug_address(local_rank: int) -> tuple[str, int]:
     host = os.environ.get("DEBUG_HOST", "127.0.0.1")
     base_text = os.environ.get("DEBUG_PORT", str(baked.DEBUG_PORT))
     if not base_text.isdigit() or not 1024 <= int(base_text) + local_rank <= 65535:
@@ -55,32 +63,75 @@ def debug_address(local_rank):
     return host, int(base_text) + local_rank
 
 
-def wait_for_debugger(env):
-    """If DEBUG_RANK names this rank, listen for a debugger and wait for it; then all ranks meet."""
+def postmortem_requested() -> bool:
+    return os.environ.get("DEBUG_POSTMORTEM", "").strip().lower() in ("1", "true", "yes")
+
+
+def _is_chosen(env) -> bool:
     value = os.environ.get("DEBUG_RANK")
-    if not value or os.environ.get("DEBUGPY_RUNNING"):
+    return bool(value) and env.rank in chosen_ranks(value, env.world_size)
+
+
+def _listen(env, note: str = "") -> None:
+    """Listen for a debugger on this rank's address and wait until one attaches."""
+    host, port = debug_address(env.local_rank)
+    if not is_loopback(host):
+        print(
+            f"[rank {env.rank}] WARNING: debugpy listens on {host}:{port}, reachable from other machines; "
+            "whoever connects can run any code as you. Prefer 127.0.0.1 and an SSH tunnel.",
+            file=sys.stderr, flush=True,
+        )
+    os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # quiets the frozen-modules warning
+    import debugpy
+
+    debugpy.configure(subProcess=False)  # DataLoader workers must not try to attach too
+    try:
+        debugpy.listen((host, port))
+    except Exception as exc:  # debugpy reports a taken port as RuntimeError or OSError, by version
+        raise RuntimeError(
+            f"rank {env.rank} cannot listen for a debugger on {host}:{port}: {exc}. "
+            f"Is the port taken (another job, or another rank on this machine)? Set DEBUG_PORT to a free base port."
+        ) from exc
+    print(f"rank {env.rank} waiting for debugger on {host}:{port}{note}", file=sys.stderr, flush=True)
+    debugpy.wait_for_client()
+
+
+def wait_for_debugger(env) -> None:
+    """If DEBUG_RANK names this rank, listen for a debugger and wait for it; then all ranks meet."""
+    if not os.environ.get("DEBUG_RANK") or os.environ.get("DEBUGPY_RUNNING"):
+        if postmortem_requested() and not os.environ.get("DEBUGPY_RUNNING") and env.rank == 0:
+            print("WARNING: DEBUG_POSTMORTEM=1 does nothing without DEBUG_RANK: set DEBUG_RANK=all (or the ranks "
+                  "to catch) as well", file=sys.stderr, flush=True)
         return
     from . import distributed  # imported here: distributed imports this module
 
-    if env.rank in chosen_ranks(value, env.world_size):
-        host, port = debug_address(env.local_rank)
-        if not is_loopback(host):
-            print(
-                f"[rank {env.rank}] WARNING: debugpy listens on {host}:{port}, reachable from other machines; "
-                "whoever connects can run any code as you. Prefer 127.0.0.1 and an SSH tunnel.",
-                file=sys.stderr, flush=True,
-            )
-        os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # quiets the frozen-modules warning
-        import debugpy
-
-        debugpy.configure(subProcess=False)  # DataLoader workers must not try to attach too
-        try:
-            debugpy.listen((host, port))
-        except Exception as exc:  # debugpy reports a taken port as RuntimeError or OSError, by version
-            raise RuntimeError(
-                f"rank {env.rank} cannot listen for a debugger on {host}:{port}: {exc}. "
-                f"Is the port taken (another job, or another rank on this machine)? Set DEBUG_PORT to a free base port."
-            ) from exc
-        print(f"rank {env.rank} waiting for debugger on {host}:{port}", file=sys.stderr, flush=True)
-        debugpy.wait_for_client()
+    if _is_chosen(env) and not postmortem_requested():
+        _listen(env)
     distributed.barrier(env)
+
+
+def post_mortem(env, exc: BaseException) -> None:
+    """With DEBUG_POSTMORTEM=1, a rank chosen by DEBUG_RANK that `exc` is about to end waits for a debugger,
+    which stops at the exception with its traceback's frames; returns once the debugger detaches or continues.
+
+    Call it where the exception is caught on its way out (train.py's `main`), then re-raise. Does nothing for
+    Ctrl-C, a quit from pdb, or a rank that only lost another rank: there the error to look at is elsewhere.
+    """
+    if not postmortem_requested() or os.environ.get("DEBUGPY_RUNNING"):
+        return  # under F5 the debugger is already there: its "Uncaught Exceptions" breakpoint stops at the error
+    if isinstance(exc, KeyboardInterrupt) or type(exc).__name__ == "BdbQuit" or logs.lost_peer(exc):
+        return
+    try:
+        if not _is_chosen(env):
+            return
+        _listen(env, note=" (post-mortem)")
+    except (ValueError, RuntimeError) as problem:  # a bad DEBUG_RANK or a taken port: the error itself matters more
+        print(f"[rank {env.rank}] no post-mortem debugging: {problem}", file=sys.stderr, flush=True)
+        return
+    import debugpy
+
+    if hasattr(debugpy, "trigger_exception_handler"):  # newer debugpy: stop in the frame that raised
+        debugpy.trigger_exception_handler(exc, as_uncaught=False)
+    else:
+        failed_with = exc  # noqa: F841 - older debugpy: stop here instead, with the exception in a local
+        debugpy.breakpoint()

@@ -8,10 +8,14 @@
 
 Use `logs.get_logger(__name__)` and log as usual; nothing in the code needs to ask which rank it is on.
 Records are formatted only where a handler takes them, so quiet ranks pay for nothing.
+
+A rank that stops because another rank died logs one warning saying so, not a traceback that makes the healthy
+rank look guilty (`log_failure`); its traceback goes to DEBUG, so a per-rank log file still has it.
 """
 
 import logging
 import os
+import re
 import sys
 
 FORMAT = "%(asctime)s %(levelname)s [rank %(rank)s] %(name)s: %(message)s"
@@ -42,7 +46,7 @@ class _ConsoleHandler(logging.StreamHandler):
             self.handleError(record)
 
 
-def setup(rank, log_file="", level=logging.INFO):
+def setup(rank: int, log_file: str = "", level: int = logging.INFO) -> None:
     """Configure the root logger for this rank. Calling it again replaces, never duplicates, its handlers."""
     every_rank = os.environ.get("DEBUG_ALL_RANKS", "").lower() in ("1", "true", "yes")
     console_level = logging.DEBUG if every_rank else (level if rank == 0 else logging.WARNING)
@@ -80,17 +84,69 @@ def setup(rank, log_file="", level=logging.INFO):
     sys.excepthook = _excepthook
 
 
-def get_logger(name):
+def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(name)
 
 
-def log_failure(logger, exc):
-    """Log an exception that is about to end this rank: once, tagged, with its traceback."""
+# What a collective or the process-group store raises on a rank whose peer vanished (killed, crashed, its
+# machine gone): gloo's "Connection reset/closed by peer ... GLHF!", NCCL's "remote process exited", the
+# store's "Connection was likely closed". Matched on RuntimeError (torch's Dist*Error included), never on
+# OSError, so a network error of the rank's own (a download in the dataset) is not mistaken for one.
+_PEER_LOST = re.compile(
+    r"Connection (?:reset|closed) by (?:remote )?peer|Broken pipe|remote process exited"
+    r"|Connection was likely closed|remote server shut ?down or crash|GLHF",
+    re.IGNORECASE,
+)
+
+
+def lost_peer(exc: BaseException) -> str | None:
+    """Why `exc` means another rank is gone (a short phrase), or None when the failure is this rank's own.
+
+    Looks through the exception's causes too, so a peer's death stays recognisable when code wraps it.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, RuntimeError):
+            found = _PEER_LOST.search(str(exc))
+            if found:
+                return found.group(0) if found.group(0) != "GLHF" else "gloo lost a connection"
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _restart_note() -> str:
+    """What happens next, from the variables torchrun gives its workers."""
+    if "TORCHELASTIC_MAX_RESTARTS" not in os.environ:
+        return "run the same command again to resume from the newest snapshot"
+    restarts = int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
+    done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if done < restarts:
+        return f"torchrun restarts the job from the newest snapshot (restart {done + 1} of {restarts})"
+    return (f"torchrun has no restarts left (--max-restarts={restarts}): run the same command again to resume "
+            "from the newest snapshot")
+
+
+def log_failure(logger: logging.Logger, exc: BaseException) -> None:
+    """Log an exception that is about to end this rank: once, tagged with the rank.
+
+    A failure of this rank's own shows with its traceback. When the exception only says that another rank is
+    gone, one warning says so, and the traceback goes to DEBUG (`DEBUG_ALL_RANKS=1`, or a per-rank
+    `--log-file 'logs/rank{rank}.log'`): the rank that died has its own error to show. Either way the
+    interpreter does not print the traceback again.
+    """
     if isinstance(exc, KeyboardInterrupt):
         logger.warning("interrupted")
+        return
+    if type(exc).__name__ == "BdbQuit" and type(exc).__module__ == "bdb":
+        logger.warning("stopped from the debugger (pdb: quit)")
+    elif (reason := lost_peer(exc)) is not None:
+        logger.warning("lost another rank (%s): it stopped, crashed or was killed, so this rank stops too; %s",
+                       reason, _restart_note())
+        logger.debug("the error that told this rank", exc_info=exc)
     else:
         logger.error("training failed", exc_info=exc)
-        exc.already_logged = True
+    exc.already_logged = True
 
 
 def _excepthook(kind, value, traceback, previous=sys.excepthook):
