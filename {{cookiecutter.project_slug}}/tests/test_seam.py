@@ -106,7 +106,8 @@ def test_the_run_length_and_the_schedule_are_kept_in_samples_across_world_sizes(
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("seam")
-    run(train_cmd(2) + FAST + ["--max-steps", "30", "--eval-every", "10", "--snapshot-every", "10"] + files(tmp_path))
+    run(train_cmd(2) + FAST + ["--max-steps", "30", "--eval-every", "10", "--snapshot-every", "10", "--clip-grad", "5"]
+        + files(tmp_path))
     return tmp_path
 
 
@@ -161,6 +162,7 @@ def test_metrics_file_has_one_record_per_logged_step(two_rank_run):
     steps = [r["step"] for r in records]
     assert steps == sorted(set(steps)) == [1, 5, 10, 15, 20, 25, 30] or steps == [5, 10, 15, 20, 25, 30]
     assert all(math.isfinite(r["loss"]) and r["lr"] > 0 and r["samples_per_s"] > 0 for r in records)
+    assert all(r["grad_norm"] > 0 for r in records), "--clip-grad logs the gradient norm before clipping"
 
 
 # Resume control.
@@ -255,3 +257,30 @@ def test_a_loss_that_turns_nan_stops_the_run_before_a_snapshot_of_it(tmp_path):
     newest = load_latest(str(tmp_path / "run" / "snapshots"))
     assert newest["step"] == 20, "the snapshot of step 25 would hold NaN weights"
     assert all(torch.isfinite(t).all() for t in newest["model"].values() if t.is_floating_point())
+
+
+# torch.compile: the wiring, with dynamo's eager backend (inductor's kernel compiler takes minutes on a small CPU).
+
+EAGER_COMPILE = """
+import functools
+import sys
+sys.path.insert(0, {root!r})
+import torch
+torch.compile = functools.partial(torch.compile, backend="eager")
+import train
+train.main(sys.argv[1:])
+"""
+
+
+def test_compile_trains_and_snapshots_keep_the_unwrapped_names(tmp_path):
+    script = tmp_path / "eager_compile.py"
+    script.write_text(EAGER_COMPILE.format(root=str(ROOT)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *FAST,
+           "--compile", "--snapshot-every", "6"] + files(tmp_path)
+    run(cmd + ["--max-steps", "6"])
+    run(cmd + ["--max-steps", "12"])
+    done = summary(tmp_path)
+    assert (done["steps"], done["resumed_from"]) == (12, 6)
+    names = set(model.build_model(cfg_of(), build_datasets(cfg_of())[0]).state_dict())
+    assert set(load_latest(str(tmp_path / "run" / "snapshots"))["model"]) == names
+    assert set(torch.load(tmp_path / "run" / "export" / "model.pt", weights_only=True)) == names
