@@ -1,7 +1,11 @@
 """The snapshot folder in one process: atomic writes, commit marker, checks, fallback, pruning, start-up errors."""
 
+import errno
+import hashlib
 import json
 import os
+import re
+import shutil
 import sys
 
 import pytest
@@ -11,10 +15,18 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
 
+from {{ cookiecutter.project_slug }} import snapshot  # noqa: E402
 from {{ cookiecutter.project_slug }}.distributed import DistEnv  # noqa: E402
 from {{ cookiecutter.project_slug }}.snapshot import (  # noqa: E402
-    MANIFEST, SHARED, SnapshotError, Snapshots, load_latest, rank_file, step_name, write_atomic,
+    MANIFEST, RUN_FILE, SHARED, SnapshotError, Snapshots, load_latest, manifest_digest, rank_file, step_name,
+    write_atomic,
 )
+
+
+@pytest.fixture(autouse=True)
+def outside_torchrun(monkeypatch):
+    """These tests play `python train.py`: no torchrun job id unless a test sets one."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
 
 
 def save_steps(folder, steps, keep=10):
@@ -23,7 +35,23 @@ def save_steps(folder, steps, keep=10):
     for step in steps:
         weights = torch.full((64,), float(step))
         snapshots.save(step, {"model": {"w": weights}, "step": step}, {"rng": torch.arange(step)}, blocking=True)
+    snapshots.close()
     return snapshots
+
+
+def resume(folder):
+    snapshots = Snapshots(folder, DistEnv(), keep=10)
+    snapshots.prepare(estimated_bytes=1)
+    try:
+        return snapshots.resume()
+    finally:
+        snapshots.close()
+
+
+def file_digests(folder):
+    """{relative path: sha256} of every file under folder."""
+    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(folder.rglob("*")) if path.is_file()}
 
 
 def flip_one_bit(path):
@@ -135,3 +163,213 @@ def test_run_id_survives_restarts(tmp_path):
     first = Snapshots(tmp_path, DistEnv(), keep=3).prepare(estimated_bytes=1)
     second = Snapshots(tmp_path, DistEnv(), keep=3).prepare(estimated_bytes=1)
     assert first == second and len(first) == 8
+
+
+# -- the manifest: its whole shape and its own checksum ------------------------------------------------------------
+
+def edit_manifest(path, change, reseal):
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    if reseal:  # a consistent checksum: only the shape check can catch the damage
+        manifest["manifest_sha256"] = manifest_digest(manifest)
+    path.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+
+
+def set_field(key, value):
+    return lambda manifest: manifest.__setitem__(key, value)
+
+
+def set_entry(name, value):
+    return lambda manifest: manifest["files"].__setitem__(name, value)
+
+
+def size_as_text(manifest):
+    manifest["files"][SHARED]["size"] = str(manifest["files"][SHARED]["size"])
+
+
+def two_ranks(manifest):  # an edit by hand that keeps the shape: only the checksum catches it
+    manifest["world_size"] = 2
+    manifest["files"][rank_file(1)] = manifest["files"][rank_file(0)]
+
+
+def flip_key(path):
+    path.write_text(path.read_text().replace('"sha256"', '"sha257"', 1))
+
+
+def huge_world_size(path):
+    path.write_text(re.sub(r'"world_size": \d+', '"world_size": 1e999', path.read_text()))
+
+
+MANIFEST_DAMAGE = {
+    "key flipped sha256 -> sha257": flip_key,
+    "an entry that is an int": lambda p: edit_manifest(p, set_entry(SHARED, 5), reseal=True),
+    "size as a string": lambda p: edit_manifest(p, size_as_text, reseal=True),
+    "world_size 1e999": huge_world_size,
+    "world_size edited by hand": lambda p: edit_manifest(p, two_ranks, reseal=False),
+    "format of another version": lambda p: edit_manifest(p, set_field("format", 99), reseal=True),
+    "step of another folder": lambda p: edit_manifest(p, set_field("step", 10), reseal=True),
+    "step negative": lambda p: edit_manifest(p, set_field("step", -20), reseal=True),
+    "world_size zero": lambda p: edit_manifest(p, set_field("world_size", 0), reseal=True),
+    "a file more than the ranks": lambda p: edit_manifest(p, set_entry("rank-00007.pt", {"size": 1, "sha256": "0" * 64}),
+                                                          reseal=True),
+    "sha256 not hex": lambda p: edit_manifest(p, lambda m: m["files"][SHARED].__setitem__("sha256", "z" * 64),
+                                              reseal=True),
+    "job not a string": lambda p: edit_manifest(p, set_field("job", 7), reseal=True),
+    "no checksum": lambda p: edit_manifest(p, lambda m: m.pop("manifest_sha256"), reseal=False),
+    "a list, not an object": lambda p: p.write_text("[1, 2]"),
+    "files a list": lambda p: edit_manifest(p, set_field("files", [SHARED]), reseal=True),
+}
+
+
+@pytest.mark.parametrize("damage", MANIFEST_DAMAGE.values(), ids=MANIFEST_DAMAGE.keys())
+def test_malformed_manifest_falls_back_to_the_older_snapshot(tmp_path, caplog, damage):
+    save_steps(tmp_path, [10, 20])
+    manifest = tmp_path / step_name(20) / MANIFEST
+    damage(manifest)
+    state = load_latest(str(tmp_path), rank=0)
+    assert state["step"] == 10 and torch.equal(state["model"]["w"], torch.full((64,), 10.0))
+    state = resume(tmp_path)
+    assert state["step"] == 10 and state["world_size"] == 1
+    assert torch.equal(state["rank_state"]["rng"], torch.arange(10))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(str(manifest) in warning for warning in warnings), warnings
+
+
+def test_manifest_checksums_itself_and_names_the_job(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    save_steps(tmp_path, [10])
+    manifest = json.loads((tmp_path / step_name(10) / MANIFEST).read_text())
+    assert manifest["job"] == "job-7" and manifest["manifest_sha256"] == manifest_digest(manifest)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    save_steps(tmp_path / "plain", [10])
+    assert json.loads((tmp_path / "plain" / step_name(10) / MANIFEST).read_text())["job"] == ""
+
+
+# -- odd things in the folder ---------------------------------------------------------------------------------------
+
+def test_folder_with_nine_digits_is_not_a_snapshot(tmp_path):
+    save_steps(tmp_path, [10, 20])
+    impostor = tmp_path / "step-000000040"  # 9 digits: step_name(40) is step-00000040
+    shutil.copytree(tmp_path / step_name(20), impostor)
+    edit_manifest(impostor / MANIFEST, set_field("step", 40), reseal=True)
+    unfinished = tmp_path / "step-000000050"  # no manifest: it would look like an interrupted save
+    unfinished.mkdir()
+    assert load_latest(str(tmp_path))["step"] == 20
+    assert resume(tmp_path)["step"] == 20
+    assert impostor.is_dir() and unfinished.is_dir(), "a folder that is not a snapshot is left alone"
+
+
+def test_start_up_removes_what_interrupted_start_ups_left(tmp_path):
+    save_steps(tmp_path, [10])
+    run_id = json.loads((tmp_path / RUN_FILE).read_text())["run_id"]
+    leftovers = [tmp_path / ".probe-0123456789ab", tmp_path / f"{RUN_FILE}.tmp-4242"]
+    for path in leftovers:
+        path.write_text("{}")
+    (tmp_path / "notes.txt").write_text("mine")
+    assert Snapshots(tmp_path, DistEnv(), keep=3).prepare(estimated_bytes=1) == run_id
+    assert not any(path.exists() for path in leftovers)
+    assert (tmp_path / "notes.txt").read_text() == "mine" and load_latest(str(tmp_path))["step"] == 10
+
+
+@pytest.mark.parametrize("make", [
+    lambda path: path.write_text('["abc"]'),
+    lambda path: path.write_text('{"run_id": 12345}'),
+    lambda path: path.write_text('{"other": "abc"}'),
+    lambda path: path.write_text('{"run_id": "a/b"}'),
+    lambda path: path.write_text("{not json"),
+    lambda path: path.mkdir(),
+], ids=["a list", "run_id not a string", "no run_id", "run_id wandb refuses", "not JSON", "a folder"])
+def test_odd_run_file_is_one_clear_error(tmp_path, make):
+    make(tmp_path / RUN_FILE)
+    snapshots = Snapshots(tmp_path, DistEnv(), keep=3)
+    with pytest.raises(SnapshotError, match=f"^{re.escape(str(tmp_path / RUN_FILE))} .*: delete it") as info:
+        snapshots.prepare(estimated_bytes=1)
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "job.lock").exists(), "a failed start-up gives the folder up"
+
+
+def test_disk_full_during_a_save_says_so(tmp_path, monkeypatch):
+    """torch.save turns the OSError of a full disk into a RuntimeError ("unexpected pos"): the cause is found."""
+    original = snapshot.write_atomic
+
+    class FullDisk:
+        def __init__(self, handle):
+            self.handle, self.room = handle, 1000
+
+        def write(self, data):
+            if len(data) > self.room:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.room -= len(data)
+            return self.handle.write(data)
+
+        def flush(self):
+            self.handle.flush()
+
+    def write_to_full_disk(path, write):
+        return original(path, lambda handle: write(FullDisk(handle)))
+
+    save_steps(tmp_path, [10])
+    monkeypatch.setattr(snapshot, "write_atomic", write_to_full_disk)
+    snapshots = Snapshots(tmp_path, DistEnv(), keep=3)
+    snapshots.prepare(estimated_bytes=1)
+    snapshots.save(20, {"model": {"w": torch.zeros(10_000)}, "step": 20}, {}, blocking=False)
+    with pytest.raises(SnapshotError, match=f"no space left on {re.escape(str(tmp_path))}") as info:
+        snapshots.wait()
+    assert isinstance(info.value.__cause__, RuntimeError), "the OSError came wrapped, as torch.save wraps it"
+    snapshots.close()
+    assert not (tmp_path / step_name(20) / MANIFEST).exists()
+    assert not list((tmp_path / step_name(20)).glob("*.tmp-*")), "no partial file left behind"
+    assert load_latest(str(tmp_path))["step"] == 10
+
+
+# -- a fresh start (--resume never) --------------------------------------------------------------------------------
+
+def test_fresh_start_moves_the_old_snapshots_aside_intact(tmp_path, caplog):
+    folder = tmp_path / "snapshots"
+    save_steps(folder, [10, 20])
+    before = file_digests(folder)
+    old_run_id = json.loads((folder / RUN_FILE).read_text())["run_id"]
+    snapshots = Snapshots(folder, DistEnv(), keep=3)
+    run_id = snapshots.prepare(estimated_bytes=1, fresh_start=True)
+    assert snapshots.resume() is None and load_latest(str(folder)) is None
+    assert run_id != old_run_id, "a fresh start is a new run"
+    aside = [path for path in tmp_path.iterdir() if path.name.startswith("snapshots.set-aside-")]
+    assert len(aside) == 1 and file_digests(aside[0]) == before
+    assert load_latest(str(aside[0]))["step"] == 20
+    assert any(str(aside[0]) in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    snapshots.save(5, {"model": {"w": torch.zeros(3)}, "step": 5}, {}, blocking=True)
+    snapshots.close()
+    # Again within the same second: a second set-aside folder, the first one untouched.
+    second = Snapshots(folder, DistEnv(), keep=3)
+    second.prepare(estimated_bytes=1, fresh_start=True)
+    second.close()
+    aside_now = sorted(path for path in tmp_path.iterdir() if path.name.startswith("snapshots.set-aside-"))
+    assert len(aside_now) == 2 and file_digests(aside[0]) == before
+    assert {load_latest(str(path))["step"] for path in aside_now} == {20, 5}
+
+
+def test_fresh_start_in_a_folder_without_snapshots_moves_nothing(tmp_path):
+    folder = tmp_path / "snapshots"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    Snapshots(folder, DistEnv(), keep=3).prepare(estimated_bytes=1, fresh_start=True)
+    assert [path.name for path in tmp_path.iterdir()] == ["snapshots"]
+    assert (folder / "notes.txt").read_text() == "mine"
+
+
+def test_fresh_start_of_a_restarted_job_resumes_its_own_snapshots(tmp_path, monkeypatch):
+    folder = tmp_path / "snapshots"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
+    save_steps(folder, [10, 20])
+    run_id = json.loads((folder / RUN_FILE).read_text())["run_id"]
+    before = file_digests(folder)
+    snapshots = Snapshots(folder, DistEnv(), keep=3)  # the same torchrun job, restarted
+    assert snapshots.prepare(estimated_bytes=1, fresh_start=True) == run_id
+    assert snapshots.resume()["step"] == 20
+    snapshots.close()
+    assert [path.name for path in tmp_path.iterdir()] == ["snapshots"] and file_digests(folder) == before
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-2")  # another job: it starts afresh
+    snapshots = Snapshots(folder, DistEnv(), keep=3)
+    assert snapshots.prepare(estimated_bytes=1, fresh_start=True) != run_id
+    assert snapshots.resume() is None
+    snapshots.close()

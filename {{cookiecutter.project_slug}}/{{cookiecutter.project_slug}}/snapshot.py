@@ -2,6 +2,7 @@
 
 Layout of the snapshot folder (one job per folder; on several machines it must be a shared folder):
 
+    job.lock                   held by rank 0 of the job training into the folder (see joblock.py)
     run.json                   the run id (wandb), kept by every restart and re-launch of the job
     step-00000100/             one snapshot, taken after 100 optimizer steps
         shared.pt              model, optimizer, scheduler, scaler, data position, config (rank 0 writes it)
@@ -11,12 +12,19 @@ Layout of the snapshot folder (one job per folder; on several machines it must b
 
 Every file is written to a temporary name in the same folder, fsynced and renamed into place. A step
 folder without manifest.json is an interrupted save: it is never loaded, and it is removed at the next
-start. Loading checks each file's size and sha256 against the manifest, so a truncated, emptied or
-bit-flipped snapshot is skipped with a warning and the next older one is used. All ranks agree on the
-step they resume from.
+start. The manifest carries a sha256 of its own contents and is checked field by field; loading then checks
+each file's size and sha256 against it. A truncated, emptied or bit-flipped file, or a manifest that is
+malformed or was edited, makes the snapshot skipped with a warning, and the next older one is used. All ranks
+agree on the step they resume from. Only folders named exactly as step_name() names them are snapshots;
+anything else in the folder is left alone.
+
+A fresh start (`prepare(..., fresh_start=True)`, `--resume never`) moves what the folder holds aside into the
+sibling folder `<folder>.set-aside-<date>-<time>`, unless the snapshots there were written by this same torchrun
+job: then this is a restart of that job, and it resumes.
 """
 
 import copy
+import errno
 import hashlib
 import json
 import os
@@ -29,16 +37,21 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from . import distributed, logs
+from . import distributed, joblock, logs
 
 log = logs.get_logger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: the manifest checksums itself and names the job that wrote it
 MANIFEST = "manifest.json"
 SHARED = "shared.pt"
 RUN_FILE = "run.json"
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
+RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")  # what wandb accepts as a run id
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+MAX_WORLD_SIZE = 1_000_000
+MANIFEST_KEYS = ("format", "step", "world_size", "files", "job", "manifest_sha256")
 # How long a rank waits to see a file another machine just wrote to a shared folder: network filesystems cache
 # directory listings and failed lookups for a while (NFS: up to 30 s by default). Set SHARED_FOLDER_WAIT_S in the
 # environment for a filesystem that lags longer, or to fail faster where there is none.
@@ -49,16 +62,24 @@ class SnapshotError(RuntimeError):
     """A snapshot folder that cannot be written, or holds no usable snapshot."""
 
 
-def step_name(step):
+def step_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def rank_file(rank):
+def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
-def receipt_file(rank):
+def receipt_file(rank: int) -> str:
     return f"rank-{rank:05d}.json"
+
+
+def _step_of_folder(name):
+    """The step a folder name stands for, or None unless it is exactly step_name(step)."""
+    match = STEP_DIR.match(name)
+    if not match or step_name(int(match.group(1))) != name:
+        return None
+    return int(match.group(1))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -89,7 +110,7 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-def write_atomic(path, write):
+def write_atomic(path: str, write) -> dict:
     """Write a file through `write(file)` so that `path` is either absent or complete; return its receipt."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
@@ -107,7 +128,7 @@ def write_atomic(path, write):
     return {"size": writer.size, "sha256": writer.sha256.hexdigest()}
 
 
-def write_json_atomic(path, obj):
+def write_json_atomic(path: str, obj) -> dict:
     return write_atomic(path, lambda f: f.write(json.dumps(obj, indent=1, sort_keys=True).encode()))
 
 
@@ -119,15 +140,85 @@ def _sha256_file(path):
     return digest.hexdigest()
 
 
-def read_manifest(step_path):
+def _short(value):
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_count(value, low=0, high=None):
+    """A JSON integer (not a bool, not a float) within [low, high]."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the canonical JSON of every field of a manifest except the digest itself."""
+    body = {key: value for key, value in manifest.items() if key != "manifest_sha256"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _manifest_problem(manifest, step):
+    """Why a manifest cannot be trusted (a short phrase), or None when its whole shape and checksum are right."""
+    if not isinstance(manifest, dict):
+        return f"not a JSON object but {type(manifest).__name__}"
+    missing = [key for key in MANIFEST_KEYS if key not in manifest]
+    if missing:
+        return f"no {', '.join(missing)} field"
+    if manifest["format"] != FORMAT or isinstance(manifest["format"], bool):
+        return f"format {_short(manifest['format'])}, this version reads format {FORMAT}"
+    if not _is_count(manifest["step"]):
+        return f"step {_short(manifest['step'])} is not a whole number >= 0"
+    if step is not None and manifest["step"] != step:
+        return f"step {manifest['step']} does not match its folder {step_name(step)}"
+    world_size = manifest["world_size"]
+    if not _is_count(world_size, 1, MAX_WORLD_SIZE):
+        return f"world_size {_short(world_size)} is not a whole number from 1 to {MAX_WORLD_SIZE}"
+    if not isinstance(manifest["job"], str):
+        return f"job {_short(manifest['job'])} is not a string"
+    files = manifest["files"]
+    if not isinstance(files, dict):
+        return f"files is {_short(files)}, not a mapping of file names"
+    expected = {SHARED, *(rank_file(rank) for rank in range(world_size))}
+    absent = sorted(expected - files.keys())
+    if absent:
+        return f"files has no entry for {absent[0]}" + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else "")
+    extra = sorted(files.keys() - expected)
+    if extra:
+        return f"files lists {_short(extra[0])}, which a snapshot of {world_size} rank(s) does not have"
+    for name in sorted(files):
+        entry = files[name]
+        if not isinstance(entry, dict):
+            return f"files[{name!r}] is {_short(entry)}, not an object with a size and a sha256"
+        for key in ("size", "sha256"):
+            if key not in entry:
+                return f"files[{name!r}] has no {key!r}"
+        if not _is_count(entry["size"]):
+            return f"files[{name!r}] size {_short(entry['size'])} is not a whole number >= 0"
+        if not isinstance(entry["sha256"], str) or not SHA256.match(entry["sha256"]):
+            return f"files[{name!r}] sha256 {_short(entry['sha256'])} is not 64 hex digits"
+    digest = manifest["manifest_sha256"]
+    if not isinstance(digest, str) or not SHA256.match(digest):
+        return f"manifest_sha256 {_short(digest)} is not 64 hex digits"
+    try:
+        actual = manifest_digest(manifest)
+    except (ValueError, TypeError):  # NaN or infinity in a field the shape checks leave open
+        return "a field holds a number JSON cannot represent exactly"
+    if actual != digest:
+        return "manifest_sha256 does not match its contents: the manifest was edited or damaged after it was written"
+    return None
+
+
+def read_manifest(step_path: str) -> dict:
+    """The manifest of a step folder, checked whole; SnapshotError says what is wrong with it."""
     path = os.path.join(step_path, MANIFEST)
     try:
         with open(path, encoding="utf-8") as handle:
             manifest = json.load(handle)
-        manifest["files"].items()
-        int(manifest["step"]), int(manifest["world_size"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise SnapshotError(f"{path}: unreadable manifest ({type(exc).__name__}: {exc})") from exc
+    problem = _manifest_problem(manifest, _step_of_folder(os.path.basename(os.path.normpath(step_path))))
+    if problem:
+        raise SnapshotError(f"{path}: malformed manifest: {problem}")
     return manifest
 
 
@@ -152,7 +243,7 @@ def load_checked(step_path, manifest, name):
         raise SnapshotError(f"{path}: cannot be loaded ({type(exc).__name__}: {str(exc).splitlines()[0]})") from exc
 
 
-def list_steps(directory):
+def list_steps(directory: str) -> tuple[list[int], list[int]]:
     """(committed steps, newest first; step folders without a manifest)."""
     committed, incomplete = [], []
     try:
@@ -160,10 +251,14 @@ def list_steps(directory):
     except FileNotFoundError:
         return [], []
     for name in names:
-        match = STEP_DIR.match(name)
-        if not match or not os.path.isdir(os.path.join(directory, name)):
+        step = _step_of_folder(name)
+        if step is None:
+            if STEP_DIR.match(name):
+                log.debug("ignoring %s: not a snapshot folder name (%s would be)", os.path.join(directory, name),
+                          step_name(int(name[len("step-"):])))
             continue
-        step = int(match.group(1))
+        if not os.path.isdir(os.path.join(directory, name)):
+            continue
         (committed if os.path.exists(os.path.join(directory, name, MANIFEST)) else incomplete).append(step)
     return sorted(committed, reverse=True), sorted(incomplete)
 
@@ -177,7 +272,7 @@ def _load_step(step_path, ranks):
     return state
 
 
-def load_latest(directory, rank=None):
+def load_latest(directory: str, rank: int | None = None) -> dict | None:
     """The newest snapshot in `directory` whose files all check out, or None when the folder holds none.
 
     Returns a dict with "model" (the unwrapped model's state_dict), "step" (optimizer steps done), "optimizer",
@@ -206,7 +301,7 @@ def load_latest(directory, rank=None):
 # ---------------------------------------------------------------------------------------------------------------
 # Per-rank random streams.
 
-def capture_rng():
+def capture_rng() -> dict:
     keys_kind, keys, pos, has_gauss, cached = np.random.get_state()
     return {
         "python": random.getstate(),
@@ -217,7 +312,7 @@ def capture_rng():
     }
 
 
-def restore_rng(state):
+def restore_rng(state: dict) -> None:
     random.setstate(state["python"])
     numpy_state = state["numpy"]
     np.random.set_state((numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
@@ -263,14 +358,36 @@ def _copy_to_cpu(obj, staging, path=()):
 # ---------------------------------------------------------------------------------------------------------------
 # The snapshot folder of a running job.
 
-class Snapshots:
-    """Saves and finds snapshots for one job. Every rank holds one; collectives are called on every rank."""
+def _errno_in_chain(error):
+    """The first errno among an exception and those it was raised from or during (torch.save wraps the
+    OSError of a failed write in a RuntimeError such as "[enforce fail at inline_container.cc] unexpected pos")."""
+    pending, seen = [error], set()
+    while pending:
+        exc = pending.pop(0)
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno:
+            return exc.errno
+        pending += [exc.__cause__, exc.__context__]
+    return None
 
-    def __init__(self, directory, env, keep, commit_timeout=600.0):
+
+class Snapshots:
+    """Saves and finds snapshots for one job. Every rank holds one; collectives are called on every rank.
+
+    Rank 0 holds the folder's job lock from prepare() to close(): call close() when training ends, also after a
+    failure (in a `finally`).
+    """
+
+    def __init__(self, directory: str, env: distributed.DistEnv, keep: int, commit_timeout: float = 600.0):
         self.directory = os.path.abspath(directory)
         self.env = env
         self.keep = keep
         self.commit_timeout = commit_timeout  # seconds rank 0 waits for every rank's part before a save fails
+        self.job = joblock.current_job()  # recorded in every manifest: a restart of this job resumes them
+        self._lock = None  # rank 0's JobLock, from prepare() to close()
+        self._closed = False
         self._thread = None
         self._copied = threading.Event()
         self._copied.set()
@@ -279,49 +396,129 @@ class Snapshots:
 
     # -- start-up ------------------------------------------------------------------------------------------------
 
-    def prepare(self, estimated_bytes):
-        """Check the folder early (writable, room, shared by all ranks), clear interrupted saves, get the run id.
+    def prepare(self, estimated_bytes: int, fresh_start: bool = False) -> str:
+        """Take the folder for this job and check it early; return the run id.
 
+        Rank 0 takes the job lock (another live job's folder is refused), moves old contents aside when
+        `fresh_start` asks for it (see the module docstring), checks the folder is writable, has room and is
+        seen by every rank, clears what interrupted saves and start-ups left, and reads or creates the run id.
         Errors are decided on rank 0 and raised on every rank, so no rank is left waiting at a collective.
         """
+        try:
+            return self._prepare(estimated_bytes, fresh_start)
+        except BaseException:
+            self.close()
+            raise
+
+    def _prepare(self, estimated_bytes, fresh_start):
         env = self.env
         problem, token = None, None
         if env.is_main:
-            problem, token = self._check_folder(estimated_bytes)
+            problem, token = self._check_folder(estimated_bytes, fresh_start)
         problem, token, main_directory = distributed.broadcast_object(env, (problem, token, self.directory))
         if problem:
             raise SnapshotError(problem)
         probe = os.path.join(self.directory, f".probe-{token}")
         visible = _eventually(lambda: os.path.exists(probe))
-        seen = distributed.all_true(env, visible)
+        views = [(env.rank, visible, self.directory)]
+        if env.is_distributed:  # every rank learns who does not see the folder, so each says the same
+            views = [None] * env.world_size
+            dist.all_gather_object(views, (env.rank, visible, self.directory), group=distributed.control_group())
+        blind = [f"rank {rank} does not, looking in {directory}" for rank, seen, directory in views if not seen]
         distributed.barrier(env)
         if env.is_main:
             os.remove(probe)
-        if not seen:
+        if blind:
+            more = f"; and {len(blind) - 3} more ranks" if len(blind) > 3 else ""
             raise SnapshotError(
-                f"not every rank sees the snapshot folder {main_directory} that rank 0 writes to (rank {env.rank} "
-                f"{'does' if visible else f'does not, looking in {self.directory}'}): on several machines, "
-                "--snapshot-dir must be a folder they all share"
+                f"not every rank sees the snapshot folder {main_directory} that rank 0 writes to "
+                f"({'; '.join(blind[:3])}{more}): on several machines, --snapshot-dir must be a folder they all share"
             )
-        run_id = self._read_or_create_run_id() if env.is_main else None
-        return distributed.broadcast_object(env, run_id)
+        problem, run_id = None, None
+        if env.is_main:
+            try:
+                run_id = self._read_or_create_run_id()
+            except SnapshotError as exc:
+                problem = str(exc)
+        problem, run_id = distributed.broadcast_object(env, (problem, run_id))
+        if problem:
+            raise SnapshotError(problem)
+        return run_id
 
-    def _check_folder(self, estimated_bytes):
+    def _check_folder(self, estimated_bytes, fresh_start):
+        """Rank 0's part of prepare(): (a problem in one line or None, the token of the probe file)."""
         token = secrets.token_hex(6)
         try:
             os.makedirs(self.directory, exist_ok=True)
+            self._lock = joblock.JobLock(self.directory)
+            self._lock.acquire()
+            if fresh_start:
+                problem = self._start_fresh()
+                if problem:
+                    return problem, token
+            self._remove_leftovers()
             write_json_atomic(os.path.join(self.directory, f".probe-{token}"), {"token": token})
+            free = shutil.disk_usage(self.directory).free
+            if free < estimated_bytes:
+                return (f"not enough room for a snapshot in {self.directory}: {free / 2**20:.0f} MiB free, one "
+                        f"snapshot needs about {estimated_bytes / 2**20:.0f} MiB"), token
+            if free < estimated_bytes * (self.keep + 1):
+                log.warning("%s has room for fewer than %d snapshots (%.0f MiB free, about %.0f MiB each)",
+                            self.directory, self.keep + 1, free / 2**20, estimated_bytes / 2**20)
+            self._remove_interrupted_saves()
+        except joblock.JobLockError as exc:
+            return str(exc), token
         except OSError as exc:
             return f"cannot write snapshots to {self.directory}: {exc.strerror or exc}", token
-        free = shutil.disk_usage(self.directory).free
-        if free < estimated_bytes:
-            return (f"not enough room for a snapshot in {self.directory}: {free / 2**20:.0f} MiB free, one snapshot "
-                    f"needs about {estimated_bytes / 2**20:.0f} MiB"), token
-        if free < estimated_bytes * (self.keep + 1):
-            log.warning("%s has room for fewer than %d snapshots (%.0f MiB free, about %.0f MiB each)",
-                        self.directory, self.keep + 1, free / 2**20, estimated_bytes / 2**20)
-        self._remove_interrupted_saves()
+        self._lock.start_heartbeat()
         return None, token
+
+    def _start_fresh(self):
+        """Move the folder's snapshots aside for a fresh start, unless this job wrote them; a problem or None."""
+        committed = list_steps(self.directory)[0]
+        if not committed:
+            return None
+        if self.job and self._newest_job(committed) == self.job:
+            log.info("%s holds snapshots of this same torchrun job (%s): this is a restart, resuming from them",
+                     self.directory, self.job)
+            return None
+        aside = f"{self.directory}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
+        candidate, suffix = aside, 1
+        while os.path.lexists(candidate):
+            suffix += 1
+            candidate = f"{aside}-{suffix}"
+        try:
+            os.rename(self.directory, candidate)
+        except OSError as exc:
+            return (f"cannot start afresh: moving {self.directory} aside to {candidate} failed ({exc.strerror or exc}); "
+                    "move or delete what it holds yourself, or resume from it with --resume auto")
+        os.makedirs(self.directory, exist_ok=True)
+        self._lock.acquire()  # in the new, empty folder; the old lock file moved aside with the rest
+        try:
+            os.remove(os.path.join(candidate, joblock.LOCK_FILE))
+        except FileNotFoundError:
+            pass  # nothing to tidy
+        log.warning("starting afresh: moved what %s held (snapshots up to step %d) aside to %s", self.directory,
+                    committed[0], candidate)
+        return None
+
+    def _newest_job(self, committed):
+        """The job that wrote the newest snapshot whose manifest checks out, or None."""
+        for step in committed:
+            try:
+                return read_manifest(os.path.join(self.directory, step_name(step)))["job"]
+            except SnapshotError:
+                continue
+        return None
+
+    def _remove_leftovers(self):
+        """Probe files and run-id temp files of start-ups that died half-way (no other job is here: we hold the lock)."""
+        for name in os.listdir(self.directory):
+            if name.startswith(".probe-") or name.startswith(f"{RUN_FILE}.tmp-"):
+                path = os.path.join(self.directory, name)
+                if os.path.isfile(path):
+                    log.debug("removing %s, left by an earlier start-up", path)
+                    os.remove(path)
 
     def _remove_interrupted_saves(self):
         committed, incomplete = list_steps(self.directory)
@@ -336,17 +533,27 @@ class Snapshots:
 
     def _read_or_create_run_id(self):
         path = os.path.join(self.directory, RUN_FILE)
+        remedy = "delete it to start a new run id (a new wandb run)"
+        if os.path.isdir(path):
+            raise SnapshotError(f"{path} is a folder, not the run file: {remedy}")
         try:
             with open(path, encoding="utf-8") as handle:
-                return json.load(handle)["run_id"]
+                content = json.load(handle)
         except FileNotFoundError:
             run_id = secrets.token_hex(4)
             write_json_atomic(path, {"run_id": run_id})
             return run_id
-        except (ValueError, KeyError) as exc:
-            raise SnapshotError(f"{path} is damaged ({exc}); delete it to start a new run id") from exc
+        except (OSError, ValueError, RecursionError) as exc:
+            raise SnapshotError(f"{path} is damaged ({type(exc).__name__}: {exc}): {remedy}") from exc
+        if not isinstance(content, dict):
+            raise SnapshotError(f"{path} holds a JSON {type(content).__name__}, not an object with a run_id: {remedy}")
+        run_id = content.get("run_id")
+        if not isinstance(run_id, str) or not RUN_ID.match(run_id):
+            raise SnapshotError(f"{path} has run_id {_short(run_id)}, not a string of 1 to 128 letters, digits, "
+                                f"'_', '-' or '.': {remedy}")
+        return run_id
 
-    def resume(self):
+    def resume(self) -> dict | None:
         """The newest snapshot good for every rank, loaded on every rank; None when the folder holds none.
 
         Each rank checks the files it needs (shared.pt and its own rank file). A snapshot counts only if every
@@ -377,7 +584,7 @@ class Snapshots:
             state, reason = None, None
             try:
                 manifest = read_manifest(step_path)
-                same_world = int(manifest["world_size"]) == env.world_size
+                same_world = manifest["world_size"] == env.world_size
                 state = _load_step(step_path, [env.rank] if same_world else [])
             except SnapshotError as exc:
                 reason = str(exc)
@@ -407,12 +614,12 @@ class Snapshots:
 
     # -- saving --------------------------------------------------------------------------------------------------
 
-    def save(self, step, shared, rank_state, blocking=False):
+    def save(self, step: int, shared: dict | None, rank_state: dict, blocking: bool = False) -> None:
         """Start writing a snapshot of `step` in the background.
 
         `shared` (rank 0's model, optimizer, ...) may hold live tensors: they are copied off the training path
-        by the writer thread, and the caller must call fence() before anything changes them in place (before
-        optimizer.step()). Only one save is in flight: this waits for the previous one first.
+        by the writer thread, and the caller must call wait_until_copied() before anything changes them in place
+        (before optimizer.step()). Only one save is in flight: this waits for the previous one first.
         """
         self.wait()
         self._copied.clear()
@@ -424,22 +631,42 @@ class Snapshots:
         if blocking:
             self.wait()
 
-    def fence(self):
-        """Return once the save in flight has copied the state it was given."""
+    def wait_until_copied(self) -> None:
+        """Return once the save in flight has copied the state; call it before the optimizer changes the weights."""
         self._copied.wait()
         self._raise_error()
 
-    def wait(self):
+    def fence(self) -> None:
+        """The same as wait_until_copied()."""
+        self.wait_until_copied()
+
+    def wait(self) -> None:
         """Return once the save in flight is written (and, on rank 0, committed); raise if it failed."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         self._raise_error()
 
+    def close(self) -> None:
+        """Give the folder up: rank 0 releases the job lock. Call wait() first to finish a save in flight: close()
+        does not wait for it (after a failure it might never finish), and it is not committed after close()."""
+        self._closed = True
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
     def _raise_error(self):
         if self._error is not None:
             error, self._error = self._error, None
-            raise SnapshotError(f"saving a snapshot failed: {error}") from error
+            code = _errno_in_chain(error)
+            if code == errno.ENOSPC:
+                reason = (f"no space left on {self.directory}; free some space there or keep fewer snapshots "
+                          "(--keep-snapshots)")
+            elif code == errno.EDQUOT:
+                reason = f"disk quota exceeded on {self.directory}; free some space there or raise the quota"
+            else:
+                reason = str(error)
+            raise SnapshotError(f"saving a snapshot failed: {reason}") from error
 
     def _write(self, step, shared, rank_state):
         try:
@@ -474,9 +701,22 @@ class Snapshots:
                     "--snapshot-dir a folder every machine shares?"
                 )
             with open(path, encoding="utf-8") as handle:
-                files.update(json.load(handle)["files"])
+                receipt = json.load(handle)
+            expected = {rank_file(rank)} | ({SHARED} if rank == 0 else set())
+            if not isinstance(receipt, dict) or not isinstance(receipt.get("files"), dict) \
+                    or set(receipt["files"]) != expected:
+                raise SnapshotError(f"{path} is not a receipt for rank {rank}'s files {sorted(expected)}")
+            files.update(receipt["files"])
         manifest = {"format": FORMAT, "step": step, "world_size": self.env.world_size, "files": files,
-                    "created": time.time()}
+                    "created": time.time(), "job": self.job}
+        manifest["manifest_sha256"] = manifest_digest(manifest)
+        problem = _manifest_problem(manifest, step)
+        if problem:  # never commit what a reader would reject
+            raise SnapshotError(f"{folder}: not committing a malformed manifest: {problem}")
+        if self._closed:
+            raise SnapshotError(f"not committing {folder}: the snapshot folder was closed while it was written")
+        if self._lock is not None and self._lock.lost:
+            raise SnapshotError(f"not committing {folder}: {self._lock.lost}")
         write_json_atomic(os.path.join(folder, MANIFEST), manifest)
         log.debug("snapshot %s committed", folder)
         self._prune()

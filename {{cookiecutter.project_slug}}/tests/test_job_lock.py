@@ -1,0 +1,321 @@
+"""One job per snapshot folder (job.lock), and workers that die with their torchrun agent.
+
+Other jobs are real processes: a `python -c` holding the lock through the project's own module, a real torchrun.
+"""
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, child_env, outputs, start, train_cmd, wait_for, worker_pids
+
+sys.path.insert(0, str(ROOT))
+
+from {{ cookiecutter.project_slug }} import joblock  # noqa: E402
+from {{ cookiecutter.project_slug }}.distributed import DistEnv  # noqa: E402
+from {{ cookiecutter.project_slug }}.snapshot import MANIFEST, SnapshotError, Snapshots, step_name  # noqa: E402
+
+PACKAGE = "{{ cookiecutter.project_slug }}"
+# Takes the lock of the folder argv[1] as rank 0 of a job does; then "hold" keeps it (with its heartbeat) until
+# killed, "vanish" dies at once without releasing it, as a SIGKILLed job would.
+HOLDER = f"""
+import os, sys, time
+from {PACKAGE}.joblock import JobLock
+lock = JobLock(sys.argv[1])
+lock.acquire()
+lock.start_heartbeat()
+print("locked", flush=True)
+if sys.argv[2] == "vanish":
+    os._exit(0)
+time.sleep(600)
+"""
+
+
+@pytest.fixture(autouse=True)
+def outside_torchrun(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("JOB_LOCK_STALE_S", raising=False)
+
+
+def hold_lock(folder, mode="hold"):
+    """A process that holds folder's job lock; returned once it does."""
+    folder.mkdir(parents=True, exist_ok=True)
+    proc = start([sys.executable, "-c", HOLDER, str(folder), mode])
+    line = proc.stdout.readline()
+    assert line.strip() == "locked", line + proc.stdout.read()
+    return proc
+
+
+def lock_record(folder):
+    return json.loads((folder / joblock.LOCK_FILE).read_text())
+
+
+def prepare(folder, fresh_start=False):
+    snapshots = Snapshots(folder, DistEnv(), keep=3)
+    snapshots.prepare(estimated_bytes=1, fresh_start=fresh_start)
+    return snapshots
+
+
+def alive(pid):
+    """Whether pid is a running process (a zombie, dead but not yet reaped, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def foreign_lock(folder, host, job="", heartbeat_age=0.0):
+    """A lock as a job on another machine leaves it, its heartbeat `heartbeat_age` seconds old."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / joblock.LOCK_FILE
+    now = time.time()
+    path.write_text(json.dumps({"host": host, "boot_id": "other-boot", "pid": 4242, "pid_started": 1, "job": job,
+                                "started": now - 3600, "heartbeat": now - heartbeat_age, "owner": "f" * 16}))
+    os.utime(path, (now - heartbeat_age, now - heartbeat_age))
+    return path
+
+
+def test_a_live_job_keeps_its_folder(tmp_path):
+    folder = tmp_path / "snapshots"
+    snapshots = prepare(folder)
+    snapshots.save(20, {"model": {"w": torch.zeros(3)}, "step": 20}, {}, blocking=True)
+    snapshots.close()
+    holder = hold_lock(folder)
+    try:
+        in_progress = folder / step_name(40)  # the live job's save in progress: not ours to clean up
+        in_progress.mkdir()
+        (in_progress / "shared.pt.tmp-1").write_bytes(b"\0" * 10)
+        with pytest.raises(SnapshotError) as info:
+            prepare(folder)
+        message = str(info.value)
+        assert "\n" not in message and str(folder) in message
+        assert socket.gethostname() in message and f"pid {holder.pid}" in message
+        assert lock_record(folder)["pid"] == holder.pid and in_progress.is_dir()
+        # --resume never is refused the same way, and moves nothing.
+        with pytest.raises(SnapshotError, match=f"pid {holder.pid}"):
+            prepare(folder, fresh_start=True)
+        assert [path.name for path in tmp_path.iterdir()] == ["snapshots"]
+        assert (folder / step_name(20) / MANIFEST).exists()
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    # Once that job is gone (SIGKILLed: no release), the folder is free again.
+    snapshots = prepare(folder)
+    assert lock_record(folder)["pid"] == os.getpid() and not in_progress.exists()
+    snapshots.close()
+
+
+def test_the_lock_of_a_job_that_died_is_taken_over_with_a_warning(tmp_path, caplog):
+    folder = tmp_path / "snapshots"
+    holder = hold_lock(folder, mode="vanish")
+    holder.wait()
+    holder.stdout.close()
+    assert lock_record(folder)["pid"] == holder.pid, "the dead job left its lock behind"
+    snapshots = prepare(folder)
+    assert lock_record(folder)["pid"] == os.getpid()
+    assert any(str(holder.pid) in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    snapshots.close()
+
+
+def test_close_gives_the_folder_to_the_next_job(tmp_path):
+    folder = tmp_path / "snapshots"
+    snapshots = prepare(folder)
+    assert lock_record(folder)["pid"] == os.getpid()
+    snapshots.close()
+    assert not (folder / joblock.LOCK_FILE).exists()
+    holder = hold_lock(folder)  # another process takes it at once
+    holder.kill()
+    holder.wait()
+    holder.stdout.close()
+
+
+def test_another_machine_with_a_fresh_heartbeat_keeps_the_folder(tmp_path):
+    folder = tmp_path / "snapshots"
+    foreign_lock(folder, "node-17", heartbeat_age=2)
+    with pytest.raises(SnapshotError, match="in use by another job .*host node-17, pid 4242"):
+        prepare(folder)
+    assert lock_record(folder)["host"] == "node-17"
+
+
+def test_another_machine_with_a_stale_heartbeat_is_taken_over(tmp_path, monkeypatch):
+    folder = tmp_path / "snapshots"
+    monkeypatch.setenv("JOB_LOCK_STALE_S", "20")
+    foreign_lock(folder, "node-17", heartbeat_age=120)
+    snapshots = prepare(folder)
+    assert lock_record(folder)["host"] == socket.gethostname() and lock_record(folder)["pid"] == os.getpid()
+    snapshots.close()
+
+
+def test_a_restart_of_the_same_torchrun_job_takes_the_lock_at_once(tmp_path, monkeypatch):
+    """Rank 0 of the restarted job may run on another machine than before; the old lock is fresh."""
+    folder = tmp_path / "snapshots"
+    foreign_lock(folder, "node-17", job="job-42", heartbeat_age=0)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-42")
+    snapshots = prepare(folder)
+    assert lock_record(folder)["pid"] == os.getpid() and lock_record(folder)["job"] == "job-42"
+    snapshots.close()
+    foreign_lock(folder, "node-17", job="job-41", heartbeat_age=0)
+    with pytest.raises(SnapshotError, match="torchrun job job-41"):
+        prepare(folder)
+
+
+def test_torchruns_default_job_id_names_no_job(tmp_path, monkeypatch):
+    """Every torchrun without --rdzv-id gets the id "none": two such jobs are not one job."""
+    folder = tmp_path / "snapshots"
+    foreign_lock(folder, "node-17", job="none", heartbeat_age=0)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    with pytest.raises(SnapshotError, match="in use by another job"):
+        prepare(folder)
+
+
+def test_heartbeat_keeps_the_lock_fresh_and_a_job_that_lost_it_commits_nothing(tmp_path):
+    folder = tmp_path / "snapshots"
+    snapshots = prepare(folder)
+    lock = folder / joblock.LOCK_FILE
+    written = os.stat(lock).st_mtime
+    wait_for(lambda: os.stat(lock).st_mtime > written, timeout=4 * joblock.HEARTBEAT_S, interval=0.2,
+             what="a heartbeat")
+    # Another machine judged this job dead and took the folder over.
+    foreign_lock(folder, "node-17", heartbeat_age=0)
+    step = [0]
+
+    def commit_refused():
+        step[0] += 1
+        try:
+            snapshots.save(step[0], {"model": {"w": torch.zeros(3)}, "step": step[0]}, {}, blocking=True)
+        except SnapshotError as exc:
+            return str(exc)
+        return None
+
+    reason = wait_for(commit_refused, timeout=4 * joblock.HEARTBEAT_S, interval=0.5, what="a refused commit")
+    assert "node-17" in reason
+    assert not (folder / step_name(step[0]) / MANIFEST).exists()
+    snapshots.close()
+    assert lock_record(folder)["host"] == "node-17", "closing does not remove a lock that is not ours"
+
+
+def test_bad_stale_setting_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("JOB_LOCK_STALE_S", "soon")
+    with pytest.raises(SnapshotError, match="JOB_LOCK_STALE_S must be a number of seconds > 0, got 'soon'"):
+        prepare(tmp_path / "snapshots")
+
+
+# -- workers die with their agent ---------------------------------------------------------------------------------
+
+# A parent (playing torchrun's agent) starts a child that calls WATCH, then both wait; the child touches argv[1]
+# once it is armed and prints its pid.
+PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+CHILD = f"""
+import os, pathlib, sys, time
+from {PACKAGE} import joblock
+WATCH
+pathlib.Path(sys.argv[1]).touch()
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("watch", ["joblock.exit_with_parent()", "joblock.watch_parent(os.getppid())"],
+                         ids=["prctl", "polling"])
+def test_child_dies_when_its_parent_is_killed(tmp_path, watch):
+    armed = tmp_path / "armed"
+    parent = start([sys.executable, "-c", PARENT, CHILD.replace("WATCH", watch), str(armed)])
+    child = int(parent.stdout.readline())
+    try:
+        wait_for(armed.exists, timeout=60, what="the child to arm itself")
+        assert alive(child)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        wait_for(lambda: not alive(child), timeout=10, what="the child to die with its parent")
+    finally:
+        kill_all([child])
+        if parent.poll() is None:
+            parent.kill()
+        parent.wait()
+        parent.stdout.close()
+
+
+# A torchrun worker: arms itself, says so through a file, then works until killed.
+WORKER = f"""
+import os, pathlib, sys, time
+sys.path.insert(0, {str(ROOT)!r})
+from {PACKAGE}.joblock import exit_with_parent
+exit_with_parent()
+pathlib.Path(sys.argv[1], os.environ["RANK"]).touch()
+time.sleep(600)
+"""
+
+
+def kill_all(pids):
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_torchrun_workers_that_call_exit_with_parent_die_with_their_agent(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    armed = tmp_path / "armed"
+    armed.mkdir()
+    agent = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+                   str(armed)])
+    workers = {}
+    try:
+        wait_for(lambda: len(list(armed.iterdir())) == 2, timeout=120, what="both workers to arm themselves")
+        workers = worker_pids(agent.pid)
+        assert len(workers) == 2
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait()
+        wait_for(lambda: not any(alive(pid) for pid in workers.values()), timeout=10,
+                 what="the workers to die with their agent")
+    finally:
+        kill_all(workers.values())
+        if agent.poll() is None:
+            agent.kill()
+        agent.wait()
+        agent.stdout.close()
+
+
+def committed_steps(folder):
+    return sorted(path.parent.name for path in folder.glob("step-*/" + MANIFEST))
+
+
+def test_training_workers_die_when_their_torchrun_agent_is_killed(tmp_path):
+    """The real thing: torchrun train.py, its agent SIGKILLed mid-training; no worker trains on without it."""
+    folder = tmp_path / "run-snapshots"
+    # Far more steps than the test lasts: a worker that outlived its agent would still be training at the end.
+    agent = start(train_cmd(2) + ["--max-steps", "1000000", "--snapshot-every", "20", "--wandb", "disabled"]
+                  + outputs(tmp_path), env=child_env())
+    workers = {}
+    try:
+        wait_for(lambda: committed_steps(folder), timeout=300, interval=0.2, what="a first snapshot")
+        workers = worker_pids(agent.pid)
+        assert len(workers) == 2, workers
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(alive(pid) for pid in workers.values()):
+            time.sleep(0.1)
+        survivors = {rank: pid for rank, pid in workers.items() if alive(pid)}
+        assert not survivors, f"workers still running 10 s after their agent was killed: {survivors}"
+        settled = committed_steps(folder)
+        time.sleep(3)
+        assert committed_steps(folder) == settled, "snapshots were committed after the job's workers were dead"
+    finally:
+        kill_all(workers.values())
+        if agent.poll() is None:
+            agent.kill()
+        agent.wait()
+        agent.stdout.close()

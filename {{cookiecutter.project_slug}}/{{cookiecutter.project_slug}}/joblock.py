@@ -1,0 +1,464 @@
+"""One job per snapshot folder, and workers that do not outlive their torchrun agent.
+
+The job lock
+------------
+Rank 0 of a job holds `<snapshot-dir>/job.lock`, a small JSON file: host, boot id, pid (and the pid's start
+time), the torchrun job id (TORCHELASTIC_RUN_ID, "" without torchrun), when the job started, its last heartbeat
+and a random owner token. A second job that finds the lock of a live job is refused at start-up, so two jobs never
+write, prune or clean up the same folder.
+
+It works on a folder that several machines share (NFS, Lustre, ...), where flock()/fcntl() locks depend on a lock
+service that is often missing or unreliable:
+- Taking a free lock: the record is written whole to a temporary file in the folder, then hard-linked to
+  job.lock. link() fails when job.lock exists, atomically, also over NFS; the link count of the temporary file
+  (2 on success) settles a reply the network lost. Where the filesystem has no hard links, job.lock is created
+  with O_CREAT|O_EXCL instead.
+- While the job runs, a heartbeat thread rewrites the lock every HEARTBEAT_S seconds (temporary file, then
+  rename), after checking that the lock is still its own.
+- A lock held by a live job is respected. On the same machine (same host name and boot id) "live" means its
+  process exists (and is the same process: a reused pid has another start time). Across machines it means a
+  heartbeat younger than JOB_LOCK_STALE_S (environment, default 30 s).
+- A restart of the same torchrun job (same TORCHELASTIC_RUN_ID; rank 0 may now run on another machine) takes the
+  lock over at once; the lock of a job that is gone (dead pid, or a stale heartbeat) is taken over with a warning.
+  A take-over happens under a second lock file (job.lock.takeover, taken the same way) and only if job.lock is
+  still the one judged dead, so two jobs starting at once cannot both take it.
+
+Clocks: the heartbeat's age is measured with the filesystem's clock on both ends, never the writer's or the
+reader's own: the lock file's mtime (set by the file server when the heartbeat is written) against the mtime of a
+file the reader writes there just before comparing. Machines whose clocks disagree therefore agree on the age.
+The file is opened before its attributes are read, which makes an NFS client fetch them anew (close-to-open
+consistency) instead of answering from its attribute cache.
+
+Limits:
+- A job that stops heartbeating while alive (all threads paused in a debugger, SIGSTOPped, a machine cut off from
+  the folder) looks dead to a job starting on another machine after JOB_LOCK_STALE_S, which then takes the lock.
+  The first job notices at its next heartbeat and commits no more snapshots; set JOB_LOCK_STALE_S higher where
+  such pauses are expected.
+- Machines are told apart by host name and boot id: containers that share both but not a pid namespace look
+  like one machine, and a live job there would look dead.
+- Two torchrun jobs given the same --rdzv-id count as one job. torchrun's own default id ("none", used when
+  neither --rdzv-id nor --standalone is given) is not taken as a job's identity: such a job is named by its
+  host and its agent's pid instead.
+- The lock guards the folder against other jobs of this project only; it does not stop a person or another
+  program from changing files in it.
+
+Workers and their agent
+-----------------------
+exit_with_parent() makes a worker die when the process that started it (torchrun's agent) dies, so a SIGKILLed
+agent does not leave workers training and committing snapshots on their own.
+"""
+
+import ctypes
+import errno
+import json
+import math
+import os
+import secrets
+import signal
+import socket
+import sys
+import threading
+import time
+
+from . import logs
+
+log = logs.get_logger(__name__)
+
+LOCK_FILE = "job.lock"
+HEARTBEAT_S = 5.0  # how often the holder rewrites its heartbeat
+DEFAULT_STALE_S = 30.0  # a heartbeat older than this, seen from another machine, is a dead job's
+UNREADABLE_GRACE_S = 2.0  # an unreadable lock younger than this may be one being created with O_EXCL
+ATTEMPTS = 50  # take-over races lost before giving up
+_REQUIRED = {"host": str, "pid": int, "job": str, "started": (int, float), "heartbeat": (int, float), "owner": str}
+
+
+class JobLockError(RuntimeError):
+    """The snapshot folder is in use by another job, or its lock cannot be taken."""
+
+
+def stale_after_s() -> float:
+    """Seconds without a heartbeat after which a lock held from another machine counts as dead (JOB_LOCK_STALE_S)."""
+    text = os.environ.get("JOB_LOCK_STALE_S", "").strip()
+    if not text:
+        return DEFAULT_STALE_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise JobLockError(f"JOB_LOCK_STALE_S must be a number of seconds > 0, got {text!r}")
+    return seconds
+
+
+def current_job() -> str:
+    """The torchrun job this process belongs to: TORCHELASTIC_RUN_ID, "" outside torchrun.
+
+    torchrun's default id "none" is shared by every job launched without --rdzv-id, so it names no job; the
+    agent (this process's parent, which lives as long as the job) names it instead.
+    """
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id == "none":
+        return f"none@{socket.gethostname()}:{os.getppid()}"
+    return run_id
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state first), or None where there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+            return handle.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _process_start(pid: int) -> int | None:
+    """When a process started (clock ticks since boot): with its pid, it names one process, not a reused pid."""
+    fields = _proc_stat(pid)
+    try:
+        return int(fields[19]) if fields else None
+    except (IndexError, ValueError):
+        return None
+
+
+def _process_alive(pid: int, started: int | None) -> bool:
+    """Whether `pid` on this machine is still the process that wrote a lock."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by another user
+    fields = _proc_stat(pid)
+    if fields and fields[0] in ("Z", "X"):
+        return False  # exited, not yet reaped by its parent
+    if started is not None:
+        now = _process_start(pid)
+        if now is not None and now != started:
+            return False  # the pid was reused by another process
+    return True
+
+
+def _read(path: str) -> tuple[dict | None, os.stat_result]:
+    """A lock file's record (None when it is not a valid one) and its attributes as the file server has them."""
+    with open(path, "rb") as handle:  # opening revalidates cached attributes on NFS (close-to-open)
+        info = os.fstat(handle.fileno())
+        data = handle.read(1 << 16)
+    try:
+        record = json.loads(data)
+    except (ValueError, RecursionError):
+        return None, info
+    if not isinstance(record, dict):
+        return None, info
+    for key, kind in _REQUIRED.items():
+        if not isinstance(record.get(key), kind) or isinstance(record.get(key), bool):
+            return None, info
+    return record, info
+
+
+def _filesystem_now(directory: str) -> float:
+    """The folder's filesystem clock: the mtime of a file written there now (set by the file server on NFS)."""
+    path = os.path.join(directory, f"{LOCK_FILE}.tmp-clock-{secrets.token_hex(6)}")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, b"clock")
+        return os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+        os.remove(path)
+
+
+def _write_file(path: str, data: bytes, flags: int) -> None:
+    fd = os.open(path, flags, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _create_new(path: str, data: bytes, temp: str) -> bool:
+    """Create `path` holding `data` if it does not exist, atomically also on NFS; True when this call created it."""
+    _write_file(temp, data, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        try:
+            os.link(temp, path)
+        except FileExistsError:
+            pass  # someone else's, or ours after a retransmitted request: the link count tells
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
+                raise
+            try:  # a filesystem without hard links
+                _write_file(path, data, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+                return True
+            except FileExistsError:
+                return False
+        return os.stat(temp).st_nlink == 2
+    finally:
+        os.remove(temp)
+
+
+def describe(record: dict) -> str:
+    """Who holds a lock, in words: host, pid, job and start time."""
+    job = f", torchrun job {record['job']}" if record["job"] else ""
+    try:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record["started"]))
+    except (OverflowError, OSError, ValueError):
+        started = repr(record["started"])
+    return f"host {record['host']}, pid {record['pid']}{job}, started {started}"
+
+
+class JobLock:
+    """The lock of one snapshot folder, held by rank 0 of the job that trains into it."""
+
+    def __init__(self, directory: str):
+        self.directory = os.path.abspath(directory)
+        self.path = os.path.join(self.directory, LOCK_FILE)
+        self.owner = secrets.token_hex(8)
+        self.job = current_job()
+        self.started = time.time()
+        self.held = False
+        self.lost: str | None = None  # why the lock is no longer ours, once another job took it over
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _record(self) -> bytes:
+        return json.dumps({
+            "host": socket.gethostname(), "boot_id": _boot_id(), "pid": os.getpid(),
+            "pid_started": _process_start(os.getpid()), "job": self.job, "started": self.started,
+            "heartbeat": time.time(), "owner": self.owner,
+        }, sort_keys=True).encode()
+
+    def _temp(self, purpose: str) -> str:
+        return f"{self.path}.tmp-{purpose}-{self.owner}"
+
+    # -- taking the lock -----------------------------------------------------------------------------------------
+
+    def acquire(self) -> None:
+        """Take the lock, or raise JobLockError naming the job that holds it. OSError: the folder is not writable."""
+        stale_s = stale_after_s()
+        for _ in range(ATTEMPTS):
+            if _create_new(self.path, self._record(), self._temp("new")):
+                self._taken()
+                return
+            try:
+                holder, info = _read(self.path)
+            except FileNotFoundError:
+                continue  # released in between: try again
+            except IsADirectoryError:
+                raise JobLockError(f"{self.path} is a folder, not a job lock: delete it") from None
+            if holder is None:
+                age = _filesystem_now(self.directory) - info.st_mtime
+                if age < UNREADABLE_GRACE_S:
+                    time.sleep(0.2)  # probably being created with O_EXCL right now
+                    continue
+                log.warning("taking over the job lock %s: it is damaged (not a lock record)", self.path)
+            else:
+                self._check_holder_gone(holder, info, stale_s)
+            if self._take_over(holder, stale_s):
+                self._taken()
+                return
+            time.sleep(0.1)
+        raise JobLockError(f"could not take the job lock {self.path}: other jobs keep starting on this folder")
+
+    def _check_holder_gone(self, holder: dict, info: os.stat_result, stale_s: float) -> None:
+        """Return (logging why) if the holder's lock may be taken over; raise JobLockError if its job is alive."""
+        if holder["owner"] == self.owner:
+            return
+        if holder["job"] and holder["job"] == self.job:
+            log.info("taking over the job lock %s from an earlier attempt of this job (%s)", self.path,
+                     describe(holder))
+            return
+        same_machine = holder["host"] == socket.gethostname() and holder.get("boot_id", "") == _boot_id()
+        if same_machine:
+            if holder["pid"] == os.getpid():
+                log.debug("taking over the job lock %s from this process", self.path)
+                return
+            started = holder.get("pid_started") if isinstance(holder.get("pid_started"), int) else None
+            if not _process_alive(holder["pid"], started):
+                log.warning("taking over the job lock %s of a job that is gone (%s: no such process)", self.path,
+                            describe(holder))
+                return
+            raise JobLockError(
+                f"the snapshot folder {self.directory} is in use by another job ({describe(holder)}, running): "
+                f"stop that job first, or give this one another --snapshot-dir"
+            )
+        age = _filesystem_now(self.directory) - info.st_mtime
+        if age >= stale_s:
+            log.warning("taking over the job lock %s of a job that is gone (%s; no heartbeat for %.0f s)", self.path,
+                        describe(holder), age)
+            return
+        raise JobLockError(
+            f"the snapshot folder {self.directory} is in use by another job ({describe(holder)}, last heartbeat "
+            f"{max(age, 0):.0f} s ago): stop that job first, or give this one another --snapshot-dir; if that job is "
+            f"gone, its lock expires {stale_s:.0f} s after its last heartbeat (JOB_LOCK_STALE_S), or delete {self.path}"
+        )
+
+    def _take_over(self, holder: dict | None, stale_s: float) -> bool:
+        """Replace the lock judged dead by ours, unless another job got there first; True when it is ours."""
+        guard = f"{self.path}.takeover"
+        if not _create_new(guard, self._record(), self._temp("guard")):
+            try:
+                _, info = _read(guard)
+                if _filesystem_now(self.directory) - info.st_mtime >= stale_s:
+                    log.warning("removing %s, left by a job that died while taking over the lock", guard)
+                    os.remove(guard)
+            except FileNotFoundError:
+                pass  # the other job finished its take-over
+            return False
+        try:
+            try:
+                current, _ = _read(self.path)
+            except FileNotFoundError:
+                return False
+            same = current == holder if holder is None else (current is not None
+                                                             and current["owner"] == holder["owner"])
+            if not same:
+                return False
+            temp = self._temp("replace")
+            _write_file(temp, self._record(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.replace(temp, self.path)
+            return True
+        finally:
+            os.remove(guard)
+
+    def _taken(self) -> None:
+        self.held, self.lost = True, None
+        self._remove_old_temporaries()
+
+    def _remove_old_temporaries(self) -> None:
+        """Temporary files of lock holders that died while writing them (old enough to be nobody's now)."""
+        prefix = f"{LOCK_FILE}.tmp-"
+        names = [name for name in os.listdir(self.directory) if name.startswith(prefix) and self.owner not in name]
+        if not names:
+            return
+        now = _filesystem_now(self.directory)
+        for name in names:
+            path = os.path.join(self.directory, name)
+            try:
+                if now - os.stat(path).st_mtime > stale_after_s():
+                    os.remove(path)
+            except FileNotFoundError:
+                pass  # removed by its writer meanwhile
+
+    # -- holding it ----------------------------------------------------------------------------------------------
+
+    def start_heartbeat(self) -> None:
+        """Rewrite the heartbeat every HEARTBEAT_S seconds in a daemon thread until release()."""
+        if self._thread is None and self.held:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._beat, name="job-lock-heartbeat", daemon=True)
+            self._thread.start()
+
+    def _beat(self) -> None:
+        failing = False
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                holder, _ = _read(self.path)
+                if holder is None or holder["owner"] != self.owner:
+                    self._lose(f"another job took over the snapshot folder {self.directory} "
+                               f"({describe(holder) if holder else 'its lock is damaged'})")
+                    return
+                temp = self._temp("beat")
+                _write_file(temp, self._record(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.replace(temp, self.path)
+                failing = False
+            except FileNotFoundError:
+                self._lose(f"the job lock {self.path} was deleted")
+                return
+            except OSError as exc:  # a network filesystem's hiccup: try again at the next beat
+                if not failing:
+                    log.warning("could not refresh the job lock %s: %s", self.path, exc)
+                failing = True
+
+    def _lose(self, reason: str) -> None:
+        self.lost, self.held = reason, False
+        log.error("%s: this job commits no more snapshots there", reason)
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lock if it is still ours."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._thread = None
+        if not self.held:
+            return
+        self.held = False
+        try:
+            holder, _ = _read(self.path)
+            if holder is not None and holder["owner"] == self.owner:
+                os.remove(self.path)
+        except FileNotFoundError:
+            pass  # already gone
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Workers die with their agent.
+
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_watching = False
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))
+
+
+def _set_parent_death_signal() -> bool:
+    """Ask Linux to SIGKILL this process when its parent dies; False where that is not available."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        result = libc.prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0),
+                            ctypes.c_ulong(0), ctypes.c_ulong(0))
+    except (OSError, AttributeError) as exc:
+        log.debug("prctl is not available (%s): watching the parent process instead", exc)
+        return False
+    if result != 0:
+        log.debug("prctl(PR_SET_PDEATHSIG) failed (%s): watching the parent process instead",
+                  os.strerror(ctypes.get_errno()))
+        return False
+    return True
+
+
+def watch_parent(parent: int, interval: float = 1.0) -> threading.Thread:
+    """A daemon thread that SIGKILLs this process once its parent is no longer `parent` (it died)."""
+    def watch() -> None:
+        while True:
+            time.sleep(interval)
+            if os.getppid() != parent:
+                log.error("the parent process (pid %d) is gone: exiting", parent)
+                _kill_self()
+
+    thread = threading.Thread(target=watch, name="exit-with-parent", daemon=True)
+    thread.start()
+    return thread
+
+
+def exit_with_parent() -> None:
+    """Die (SIGKILL) when the process that started this one dies: under torchrun, the agent.
+
+    A worker whose agent was SIGKILLed would otherwise keep training and committing snapshots with nobody to
+    restart, stop or report it, and would hold the snapshot folder's lock. On Linux the kernel delivers the signal
+    (prctl PR_SET_PDEATHSIG); elsewhere a daemon thread checks the parent every second. Call it once, early.
+    Linux sends the signal when the thread that started this process exits: torchrun starts its workers from
+    its main thread, so that is the agent's exit.
+    """
+    global _watching
+    parent = os.getppid()  # before prctl: a parent that dies in between is caught below
+    if _set_parent_death_signal():
+        if os.getppid() != parent:
+            _kill_self()
+        return
+    if not _watching:
+        _watching = True
+        watch_parent(parent)
