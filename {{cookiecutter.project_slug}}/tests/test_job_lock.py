@@ -202,6 +202,13 @@ def test_heartbeat_keeps_the_lock_fresh_and_a_job_that_lost_it_commits_nothing(t
     assert lock_record(folder)["host"] == "node-17", "closing does not remove a lock that is not ours"
 
 
+def test_a_lock_that_is_a_folder_is_one_clear_error(tmp_path):
+    folder = tmp_path / "snapshots"
+    (folder / joblock.LOCK_FILE).mkdir(parents=True)
+    with pytest.raises(SnapshotError, match=f"{folder / joblock.LOCK_FILE} is a folder, not a job lock: delete it"):
+        prepare(folder)
+
+
 def test_bad_stale_setting_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("JOB_LOCK_STALE_S", "soon")
     with pytest.raises(SnapshotError, match="JOB_LOCK_STALE_S must be a number of seconds > 0, got 'soon'"):
@@ -300,7 +307,9 @@ def test_training_workers_die_when_their_torchrun_agent_is_killed(tmp_path):
                   + outputs(tmp_path), env=child_env())
     workers = {}
     try:
-        wait_for(lambda: committed_steps(folder), timeout=300, interval=0.2, what="a first snapshot")
+        wait_for(lambda: committed_steps(folder) or agent.poll() is not None, timeout=300, interval=0.2,
+                 what="a first snapshot")
+        assert agent.poll() is None, f"training ended early:\n{agent.stdout.read()[-6000:]}"
         workers = worker_pids(agent.pid)
         assert len(workers) == 2, workers
         os.kill(agent.pid, signal.SIGKILL)

@@ -210,8 +210,8 @@ MANIFEST_DAMAGE = {
     "step of another folder": lambda p: edit_manifest(p, set_field("step", 10), reseal=True),
     "step negative": lambda p: edit_manifest(p, set_field("step", -20), reseal=True),
     "world_size zero": lambda p: edit_manifest(p, set_field("world_size", 0), reseal=True),
-    "a file more than the ranks": lambda p: edit_manifest(p, set_entry("rank-00007.pt", {"size": 1, "sha256": "0" * 64}),
-                                                          reseal=True),
+    "a file more than the ranks": lambda p: edit_manifest(
+        p, set_entry("rank-00007.pt", {"size": 1, "sha256": "0" * 64}), reseal=True),
     "sha256 not hex": lambda p: edit_manifest(p, lambda m: m["files"][SHARED].__setitem__("sha256", "z" * 64),
                                               reseal=True),
     "job not a string": lambda p: edit_manifest(p, set_field("job", 7), reseal=True),

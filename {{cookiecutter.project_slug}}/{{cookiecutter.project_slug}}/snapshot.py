@@ -490,8 +490,9 @@ class Snapshots:
         try:
             os.rename(self.directory, candidate)
         except OSError as exc:
-            return (f"cannot start afresh: moving {self.directory} aside to {candidate} failed ({exc.strerror or exc}); "
-                    "move or delete what it holds yourself, or resume from it with --resume auto")
+            return (f"cannot start afresh: moving {self.directory} aside to {candidate} failed "
+                    f"({exc.strerror or exc}); move or delete what it holds yourself, or resume from it with "
+                    "--resume auto")
         os.makedirs(self.directory, exist_ok=True)
         self._lock.acquire()  # in the new, empty folder; the old lock file moved aside with the rest
         try:
@@ -512,7 +513,8 @@ class Snapshots:
         return None
 
     def _remove_leftovers(self):
-        """Probe files and run-id temp files of start-ups that died half-way (no other job is here: we hold the lock)."""
+        """Probe files and run-id temp files of start-ups that died half-way (no other job is here: we hold
+        the lock)."""
         for name in os.listdir(self.directory):
             if name.startswith(".probe-") or name.startswith(f"{RUN_FILE}.tmp-"):
                 path = os.path.join(self.directory, name)
