@@ -12,11 +12,12 @@
 """
 
 import logging
+import os
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from {{ cookiecutter.project_slug }} import config, distributed, logs, trainer
+from {{ cookiecutter.project_slug }} import config, distributed, joblock, logs, trainer
 from {{ cookiecutter.project_slug }}.snapshot import SnapshotError
 
 log = logging.getLogger("{{ cookiecutter.project_slug }}.train")
@@ -27,6 +28,13 @@ def main(argv: list[str] | None = None) -> trainer.Summary:
     cfg = config.parse_args(argv)
     env = distributed.read_env()
     logs.setup(env.rank, cfg.log_file)
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        joblock.exit_with_parent()  # a worker whose torchrun agent died stops too, instead of training on alone
+    stopped = trainer.stopped_by_signal(cfg)
+    if stopped:  # torchrun restarting a job that a signal stopped: stay stopped, with the same exit code
+        log.log(logging.WARNING if env.is_main else logging.DEBUG, "this job was stopped by signal %d: not "
+                "restarting it; run the same command again to resume", stopped)
+        sys.exit(128 + stopped)
     finished = False
     try:
         env = distributed.init(env, cfg)

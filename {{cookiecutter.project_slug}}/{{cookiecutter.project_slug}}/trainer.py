@@ -13,6 +13,7 @@ What a resume takes from the snapshot, and what from the command line (or --conf
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import random
@@ -29,12 +30,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
-from . import distributed, logs, tracking
+from . import distributed, joblock, logs, tracking, watchdog
 from . import model as user_model
 from .config import Config, flag
 from .data import build_datasets
 from .distributed import DistEnv
-from .snapshot import SnapshotError, Snapshots, capture_rng, restore_rng, step_name, write_atomic
+from .snapshot import SnapshotError, Snapshots, capture_rng, restore_rng, step_name, write_atomic, write_json_atomic
 
 log = logs.get_logger(__name__)
 
@@ -43,6 +44,30 @@ AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 class RunError(Exception):
     """A problem the user fixes (settings, data, an unfitting snapshot): reported as one line, no traceback."""
+
+
+STOP_RECORD = "stopped.json"  # in the snapshot folder: which torchrun job a signal stopped, at which step
+
+
+def stopped_by_signal(cfg: Config) -> int:
+    """The signal that stopped this torchrun job, when this process is one of torchrun's restarts of it; else 0.
+
+    A SIGTERM or Ctrl-C that reaches only the workers (Kubernetes and srun signal every process) stops them at a
+    step with a snapshot, and they exit with 128 + signal. torchrun takes that for a failure and restarts them;
+    each restart reads the job's stop record and exits at once with the same code, so the job stays stopped
+    (and its exit code says so) instead of training on. A new launch, even with the same --rdzv-id (a requeued
+    SLURM job), is no restart: it clears the record and resumes.
+    """
+    if not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0):
+        return 0
+    try:
+        with open(os.path.join(cfg.snapshot_dir, STOP_RECORD), encoding="utf-8") as handle:
+            record = json.load(handle)
+    except (OSError, ValueError):
+        return 0
+    stopped_job = record.get("job") if isinstance(record, dict) else None
+    signum = record.get("signal") if isinstance(record, dict) else None
+    return signum if stopped_job == joblock.current_job() and isinstance(signum, int) and signum > 0 else 0
 
 
 @dataclass
@@ -200,12 +225,14 @@ class StopRequest:
         self.stopped = False  # set on every rank at the same step once the ranks agree to stop
         self._pending = None
         self._flag = torch.zeros(1, dtype=torch.int64)
+        self._signalled_at = 0.0
         self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
 
     def _handle(self, signum, frame):
-        if signum == signal.SIGINT and self.signal:
-            raise KeyboardInterrupt  # the second Ctrl-C: stop now, without a snapshot
-        self.signal = signum
+        # A second Ctrl-C stops at once, without a snapshot; not the copy torchrun forwards right after the first.
+        if signum == signal.SIGINT and self.signal and time.monotonic() - self._signalled_at > 1.0:
+            raise KeyboardInterrupt
+        self.signal, self._signalled_at = self.signal or signum, time.monotonic()
 
     def agreed(self) -> bool:
         """True on every rank at the same step, once any rank got the signal."""
@@ -263,6 +290,8 @@ class Trainer:
             resumed = self.snapshots.resume()
         except SnapshotError as exc:
             raise RunError(str(exc)) from None
+        if env.is_main and os.path.exists(os.path.join(self.snapshots.directory, STOP_RECORD)):
+            os.remove(os.path.join(self.snapshots.directory, STOP_RECORD))  # a new launch: no longer stopped
         self.progress, rng_state, self.resumed_from = Progress(step_samples=self.global_batch), None, -1
         try:
             rng_state = self._restore(resumed) if resumed is not None else None
@@ -281,6 +310,8 @@ class Trainer:
         self.last_saved = self.resumed_from if self.resumed_from >= 0 else None
         self._loss_sum, self._loss_steps = torch.zeros((), device=env.device), 0
         self._grad_norm = torch.zeros((), device=env.device)
+        timeout = distributed.collective_timeout(cfg).total_seconds()
+        self.hang_watch = watchdog.HangWatch(env.rank, timeout * 0.8, cfg.log_file)  # stacks, before the timeout
         self._timer = time.perf_counter()
         # Restore the random streams last, right before the first step, so nothing in between can draw from them.
         if rng_state is not None:
@@ -317,6 +348,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step += 1
         self._loss_steps += 1
+        self.hang_watch.beat()
 
     def due(self, every: int) -> bool:
         """True at every `every`-th step and at the last one (`every` = 0: only at the last one)."""
@@ -364,6 +396,7 @@ class Trainer:
             for inputs, targets in loader:
                 inputs, targets = inputs.to(self.env.device), targets.to(self.env.device)
                 _add_batch_sums(sums, self.model(inputs), targets, self.val_metrics)
+                self.hang_watch.beat()
         self.model.train()
         restore_rng(rng_state)
         names = distributed.broadcast_object(self.env, sorted(sums))  # rank 0 always has samples: it names them
@@ -403,11 +436,15 @@ class Trainer:
         stop.close()
         stopped = stop.stopped
         if stopped:
-            log.warning("stopping at step %d of %d on signal %d: saving a snapshot; run the same command again to "
-                        "resume", self.progress.step, self.total_steps, stop.signal)
+            log.log(logging.WARNING if self.env.is_main else logging.DEBUG, "stopping at step %d of %d on signal %d: "
+                    "saving a snapshot; run the same command again to resume", self.progress.step, self.total_steps,
+                    stop.signal)
         if self.last_saved != self.progress.step:
             self.save_snapshot(blocking=True)
         self.snapshots.wait()
+        if stopped and self.env.is_main:
+            write_json_atomic(os.path.join(self.snapshots.directory, STOP_RECORD),
+                              {"job": joblock.current_job(), "step": self.progress.step, "signal": stop.signal})
         already_complete = self.resumed_from >= self.total_steps
         summary = self._summary(already_complete=already_complete, stop_signal=stop.signal if stopped else 0)
         if not stopped:
@@ -426,6 +463,7 @@ class Trainer:
         return summary
 
     def close(self) -> None:
+        self.hang_watch.close()
         self.tracker.finish()
         self.snapshots.close()
 

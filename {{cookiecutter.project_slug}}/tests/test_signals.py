@@ -1,0 +1,82 @@
+"""Signals as schedulers and people send them, and a rank that hangs.
+
+- SIGTERM to the workers only (Kubernetes, srun): the job stops with a snapshot and stays stopped, although
+  torchrun takes the workers' exit for a failure and restarts them.
+- Ctrl-C (SIGINT to the whole process group: torchrun and its workers): a snapshot at the next step.
+- A SIGSTOPped rank: the waiting ranks write their stacks before the collective timeout fails the job.
+"""
+
+import json
+import os
+import signal
+import time
+
+from conftest import finish, run, start, train_cmd, wait_for, worker_pids
+
+LONG = ["--wandb", "disabled", "--log-every", "5", "--max-steps", "3000", "--snapshot-every", "1000"]
+
+
+def files(tmp_path, name="run"):
+    folder = tmp_path / name
+    return ["--snapshot-dir", str(folder / "snapshots"), "--log-file", str(folder / "train.log"),
+            "--metrics-file", str(folder / "metrics.jsonl"), "--export-dir", str(folder / "export")]
+
+
+def logged_steps(tmp_path, name="run"):
+    try:
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line)["step"] for line in lines if line.endswith("}")]
+
+
+def snapshot_steps(tmp_path, name="run"):
+    return sorted(int(p.parent.name[5:]) for p in (tmp_path / name / "snapshots").glob("step-*/manifest.json"))
+
+
+def summary(tmp_path, name="run"):
+    return json.loads((tmp_path / name / "export" / "summary.json").read_text())
+
+
+def test_sigterm_to_the_workers_only_stops_the_job_with_a_snapshot(tmp_path):
+    proc = start(train_cmd(2, ["--max-restarts=2"]) + LONG + files(tmp_path))
+    wait_for(lambda: any(step >= 20 for step in logged_steps(tmp_path)), timeout=120, what="step 20")
+    for pid in worker_pids(proc.pid).values():
+        os.kill(pid, signal.SIGTERM)
+    code, out = finish(proc)
+    assert code != 0, "a stopped job is no success: schedulers must see it did not finish"
+    (stopped_at,) = [s for s in snapshot_steps(tmp_path) if s % 1000]
+    assert 20 <= stopped_at < 3000
+    assert max(logged_steps(tmp_path)) <= stopped_at, "torchrun's restarts must not train on"
+    run(train_cmd(2) + LONG[:-4] + ["--max-steps", str(stopped_at + 10)] + files(tmp_path))
+    assert summary(tmp_path)["resumed_from"] == stopped_at
+
+
+def test_ctrl_c_saves_a_snapshot_at_the_next_step(tmp_path):
+    proc = start(train_cmd(2, ["--max-restarts=2"]) + LONG + files(tmp_path))
+    wait_for(lambda: any(step >= 20 for step in logged_steps(tmp_path)), timeout=120, what="step 20")
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: torchrun and every worker get it
+    code, out = finish(proc)
+    assert code != 0
+    stopped = [s for s in snapshot_steps(tmp_path) if s % 1000]
+    assert stopped and stopped[-1] >= 20, f"no snapshot at the stop: {snapshot_steps(tmp_path)}\n{out[-3000:]}"
+
+
+def test_a_hung_rank_leaves_the_stacks_of_the_waiting_ranks_in_their_logs(tmp_path):
+    proc = start(train_cmd(2) + LONG + ["--dist-timeout", "8"] + files(tmp_path))
+    wait_for(lambda: any(step >= 20 for step in logged_steps(tmp_path)), timeout=120, what="step 20")
+    hung = worker_pids(proc.pid)[1]
+    os.kill(hung, signal.SIGSTOP)
+    started = time.monotonic()
+    stacks = tmp_path / "run" / "stacks-rank0.txt"
+    try:
+        wait_for(stacks.exists, timeout=60, what="rank 0's stacks")
+        waited = time.monotonic() - started
+        time.sleep(max(0.0, started + 8 + 4 - time.monotonic()))  # past the timeout: rank 0 has failed by now
+    finally:
+        os.kill(hung, signal.SIGCONT)  # or torchrun would wait 30 s more before it SIGKILLs the stopped rank
+    code, out = finish(proc, timeout=120)
+    assert code != 0, "a job with a hung rank fails at --dist-timeout"
+    text = stacks.read_text()
+    assert "trainer.py" in text and "Thread" in text, text[-3000:]
+    assert waited < 8 + 5, "the stacks come before the collective timeout fails the job"

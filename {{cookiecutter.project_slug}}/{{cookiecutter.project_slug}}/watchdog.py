@@ -1,0 +1,61 @@
+"""A watch on the training thread: when no step finishes for nearly as long as a collective may wait, every
+thread's Python stack goes to this rank's stack file, so a hung job shows where each rank was.
+
+A rank that stops (SIGSTOP, a stuck filesystem, a deadlock in user code) leaves the others waiting in a
+collective until --dist-timeout runs out; then they fail and torchrun restarts the job (a hang costs about
+--dist-timeout plus torchrun's 30 s grace to kill the stopped rank). Shortly before the timeout, each waiting
+rank writes its stacks (faulthandler, every thread) to `stacks-rank<N>.txt` beside the log file and logs a
+warning naming it: their stacks show the collective they wait in; the rank whose file is missing, or whose
+stack shows it elsewhere, is the one that hung.
+"""
+
+import faulthandler
+import logging
+import os
+import sys
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+
+class HangWatch:
+    """Call `beat()` whenever the training thread makes progress; `close()` at the end."""
+
+    def __init__(self, rank: int, after_s: float, log_file: str):
+        self.rank, self.after_s = rank, after_s
+        folder = os.path.dirname(os.path.abspath(log_file.replace("{rank}", str(rank)))) if log_file else ""
+        self.path = os.path.join(folder, f"stacks-rank{rank}.txt") if folder else ""
+        self._last_beat = time.monotonic()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="hang-watch", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> None:
+        self._last_beat = time.monotonic()
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _watch(self) -> None:
+        reported = None
+        while not self._closed.wait(min(5.0, self.after_s / 4)):
+            beat = self._last_beat
+            idle = time.monotonic() - beat
+            if idle >= self.after_s and reported != beat:
+                reported = beat
+                self._dump(idle)
+
+    def _dump(self, idle: float) -> None:
+        header = (f"--- rank {self.rank}, pid {os.getpid()}, {time.strftime('%Y-%m-%d %H:%M:%S')}: no training step "
+                  f"finished for {idle:.0f} s; the stack of every thread follows ---\n")
+        if self.path:
+            with open(self.path, "a", encoding="utf-8") as handle:
+                handle.write(header)
+                handle.flush()
+                faulthandler.dump_traceback(file=handle, all_threads=True)
+        else:
+            sys.stderr.write(header)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        log.warning("no training step finished for %.0f s (a rank may hang; the job fails at --dist-timeout): the "
+                    "stacks of this rank's threads are in %s", idle, self.path or "the console")
