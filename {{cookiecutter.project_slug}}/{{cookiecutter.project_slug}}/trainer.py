@@ -283,15 +283,16 @@ class Trainer:
         self.amp_dtype = AMP_DTYPES[cfg.amp]
         self.scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16" and env.device.type == "cuda")
 
-        self.snapshots = Snapshots(cfg.snapshot_dir, env, keep=cfg.keep_snapshots,
-                                   commit_timeout=distributed.collective_timeout(cfg).total_seconds())
+        timeout = distributed.collective_timeout(cfg).total_seconds()  # how long one rank may wait for the others
+        self.snapshots = Snapshots(cfg.snapshot_dir, env, keep=cfg.keep_snapshots, commit_timeout=timeout)
         try:  # both decided on rank 0 or agreed by every rank: the same error everywhere
             self.run_id = self.snapshots.prepare(snapshot_bytes(self.model), fresh_start=cfg.resume == "never")
             resumed = self.snapshots.resume()
         except SnapshotError as exc:
             raise RunError(str(exc)) from None
-        if env.is_main and os.path.exists(os.path.join(self.snapshots.directory, STOP_RECORD)):
-            os.remove(os.path.join(self.snapshots.directory, STOP_RECORD))  # a new launch: no longer stopped
+        stop_record = os.path.join(self.snapshots.directory, STOP_RECORD)
+        if env.is_main and os.path.exists(stop_record):
+            os.remove(stop_record)  # a new launch, not a restart of a stopped job: it is no longer stopped
         self.progress, rng_state, self.resumed_from = Progress(step_samples=self.global_batch), None, -1
         try:
             rng_state = self._restore(resumed) if resumed is not None else None
@@ -310,7 +311,6 @@ class Trainer:
         self.last_saved = self.resumed_from if self.resumed_from >= 0 else None
         self._loss_sum, self._loss_steps = torch.zeros((), device=env.device), 0
         self._grad_norm = torch.zeros((), device=env.device)
-        timeout = distributed.collective_timeout(cfg).total_seconds()
         self.hang_watch = watchdog.HangWatch(env.rank, timeout * 0.8, cfg.log_file)  # stacks, before the timeout
         self._timer = time.perf_counter()
         # Restore the random streams last, right before the first step, so nothing in between can draw from them.
