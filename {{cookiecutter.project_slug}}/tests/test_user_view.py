@@ -4,13 +4,13 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 
 import pytest
 
-from conftest import PACKAGE, ROOT, child_env, finish, outputs, run, start, train_cmd, wait_for, worker_pids
+from conftest import PACKAGE, ROOT, finish, outputs, run, start, train_cmd, wait_for, worker_pids
 from test_debug import configuration, launch_json, load_jsonc, resolve
+from {{ cookiecutter.project_slug }} import baked, plot
 from {{ cookiecutter.project_slug }}.snapshot import load_latest
 
 # A console record as logs.py formats it: date, time, level, [rank N].
@@ -62,9 +62,6 @@ def write_lines(path, lines):
 
 
 def test_metrics_reader_skips_a_cut_line_and_keeps_the_newest_record_of_a_redone_step(tmp_path):
-    from importlib import import_module
-
-    plot = import_module(f"{PACKAGE}.plot")
     metrics = write_lines(tmp_path / "metrics.jsonl", [
         json.dumps({"step": 10, "loss": 2.0, "lr": 0.1}),
         json.dumps({"step": 20, "loss": 1.5}),
@@ -97,9 +94,6 @@ def test_plot_draws_the_curves_of_a_real_run(tmp_path):
     assert image.shape[0] >= 200 and image.shape[1] >= 300
     assert len({tuple(pixel) for row in image[::7] for pixel in row[::7]}) > 10, "a blank image"
 
-    from importlib import import_module
-
-    plot = import_module(f"{PACKAGE}.plot")
     drawn = plot.curves(plot.read_metrics(metrics))
     assert drawn["loss"][0] == sorted(set(train_steps)) and drawn["val_loss"][0] == sorted(set(val_steps))
 
@@ -135,9 +129,6 @@ def shown_by_vscode(option):
 
 
 def test_rank_picker_shows_each_rank_and_its_port_once(tmp_path):
-    from importlib import import_module
-
-    baked = import_module(f"{PACKAGE}.baked")
     (picker,) = [spec for spec in launch_json()["inputs"] if spec["id"] == "rankPort"]
     shown = [shown_by_vscode(option) for option in picker["options"]]
     assert len(shown) == baked.NPROC_PER_NODE and len(set(shown)) == len(shown)
