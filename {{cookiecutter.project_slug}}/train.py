@@ -17,7 +17,7 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from {{ cookiecutter.project_slug }} import config, distributed, joblock, logs, trainer
+from {{ cookiecutter.project_slug }} import config, debug, distributed, joblock, logs, trainer
 from {{ cookiecutter.project_slug }}.snapshot import SnapshotError
 
 log = logging.getLogger("{{ cookiecutter.project_slug }}.train")
@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> trainer.Summary:
         raise
     except BaseException as exc:
         logs.log_failure(log, exc)  # tagged with this rank, then re-raised for torchrun to see
+        if logs.lost_peer(exc):  # not this rank's fault: no second traceback in torchrun's summary
+            raise SystemExit(1) from None
+        debug.post_mortem(env, exc)  # DEBUG_POSTMORTEM=1: wait for a debugger, stopped at the exception
         raise
     finally:
         distributed.teardown(clean=finished)

@@ -436,9 +436,8 @@ class Trainer:
         stop.close()
         stopped = stop.stopped
         if stopped:
-            log.log(logging.WARNING if self.env.is_main else logging.DEBUG, "stopping at step %d of %d on signal %d: "
-                    "saving a snapshot; run the same command again to resume", self.progress.step, self.total_steps,
-                    stop.signal)
+            self._warn_once("stopping at step %d of %d on signal %d: saving a snapshot; run the same command again to "
+                            "resume", self.progress.step, self.total_steps, stop.signal)
         if self.last_saved != self.progress.step:
             self.save_snapshot(blocking=True)
         self.snapshots.wait()
@@ -519,7 +518,7 @@ class Trainer:
         if changed:
             log.info("settings changed since %s was written (applied from now on): %s", folder, ", ".join(changed))
         if resumed["world_size"] != self.env.world_size:
-            log.warning(
+            self._warn_once(
                 "the snapshot was written by %d rank(s) and this job has %d: model, optimizer and data position (by "
                 "samples seen) are restored and every rank's random streams are re-seeded, so this run will not "
                 "match an uninterrupted one bit for bit", resumed["world_size"], self.env.world_size,
@@ -535,10 +534,14 @@ class Trainer:
             cfg.batch_size, cfg.grad_accum, self.global_batch, sum(p.numel() for p in self.model.parameters()),
         )
         if cfg.warmup_steps >= self.length.samples // self.length.step_samples:
-            log.warning("%s %d is not shorter than the run (%d steps): the learning rate never reaches its peak",
+            self._warn_once("%s %d is not shorter than the run (%d steps): the learning rate never reaches its peak",
                         flag("warmup_steps"), cfg.warmup_steps, self.length.samples // self.length.step_samples)
         if cfg.amp == "fp16" and self.env.device.type != "cuda":
-            log.warning("%s fp16 without CUDA runs without a gradient scaler; prefer bf16 on CPU", flag("amp"))
+            self._warn_once("%s fp16 without CUDA runs without a gradient scaler; prefer bf16 on CPU", flag("amp"))
+
+    def _warn_once(self, message: str, *args) -> None:
+        """A warning that every rank reaches alike (settings, an agreed stop): rank 0 says it, the others at DEBUG."""
+        log.log(logging.WARNING if self.env.is_main else logging.DEBUG, message, *args)
 
     def _write_config(self) -> None:
         """The resolved settings, logged once and kept beside the snapshots (`--config` reads the file back)."""
