@@ -58,8 +58,8 @@ def test_error_on_rank_1_reaches_console_tagged_and_torchrun_summary(tmp_path):
     assert "Traceback" in result.stdout
     assert "RuntimeError: injected failure on rank 1 at step 5" in result.stdout
     # torchrun's failure summary names the rank and its exception (from @record's error file).
-    summary = result.stdout[result.stdout.find("Root Cause"):]
-    assert "rank      : 1" in summary and "injected failure on rank 1" in summary, summary
+    torchrun_summary = result.stdout[result.stdout.find("Root Cause"):]
+    assert "rank      : 1" in torchrun_summary and "injected failure on rank 1" in torchrun_summary, torchrun_summary
     assert "[rank 1]" in (tmp_path / "run.log").read_text(), "other ranks' errors must reach the log file too"
     assert not (tmp_path / "run-export" / "summary.json").exists(), "a failed run does not summarize"
 
