@@ -139,6 +139,17 @@ def step_breakpoints(root=ROOT):
     return root / source.relative_to(ROOT), lines[0], lines[1]
 
 
+def flag_value(args, flag, default):
+    """The value of `flag` in an argument list (the last one wins, as in argparse), or `default`."""
+    value = default
+    for index, arg in enumerate(args):
+        if arg == flag and index + 1 < len(args):
+            value = args[index + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
 def workspace_copy(tmp_path):
     """A copy of the project to open "in VSCode": debug runs write their snapshots and logs there, not here."""
     workspace = tmp_path / ROOT.name
@@ -435,8 +446,12 @@ def test_f5_stops_in_every_rank(tmp_path, cleanup):
     source, line, _ = step_breakpoints(workspace)
     ranks, _ = baked_ranks()
     config = resolve(configuration("torchrun (F5)"), workspace)
+    # Where the configuration's run writes: its flags, else train.py's defaults (relative to its cwd).
+    cwd = Path(config.get("cwd", workspace))
+    snapshot_dir, log_file, export_dir = (cwd / flag_value(config["args"], name, default) for name, default in (
+        ("--snapshot-dir", "snapshots"), ("--log-file", "logs/train.log"), ("--export-dir", "export")))
     # Its preLaunchTask removes the snapshots of earlier debug runs, or this one would resume a finished run.
-    stale = workspace / "snapshots" / "debug" / "step-00000100"
+    stale = snapshot_dir / "step-00000100"
     stale.mkdir(parents=True)
     pre = run_task(task(config["preLaunchTask"]), workspace, tmp_path / "pre.log")
     assert pre.finish() == 0, pre.output()
@@ -470,11 +485,9 @@ def test_f5_stops_in_every_rank(tmp_path, cleanup):
         resume(session, source)
     exited = adapter.wait_event("exited", timeout=180)
     assert exited["exitCode"] == 0, adapter.terminal_log.read_text()[-6000:]
-    # The configuration's run, with its own snapshots and log; its summary goes to the default export folder.
-    done = json.loads((workspace / "export" / "summary.json").read_text())
+    done = json.loads((export_dir / "summary.json").read_text())
     assert (done["world_size"], done["steps"], done["resumed_from"]) == (len(ranks), 100, -1), done
-    assert (done["snapshot_dir"], done["log_file"]) == (str(workspace / "snapshots" / "debug"),
-                                                         str(workspace / "logs" / "debug.log"))
-    assert final_model(workspace / "snapshots" / "debug")["step"] == 100
+    assert (done["snapshot_dir"], done["log_file"]) == (str(snapshot_dir), str(log_file))
+    assert final_model(snapshot_dir)["step"] == 100
     for session in sessions + [adapter]:
         session.request("disconnect")
