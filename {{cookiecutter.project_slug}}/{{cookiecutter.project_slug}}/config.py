@@ -139,6 +139,10 @@ class Config:
         above=0, max=7 * 24 * 3600,
     )
     threads_per_rank: int = option(0, "CPU threads per rank; 0 = this machine's cores / ranks on it", min=0)
+    deterministic: bool = option(
+        False, "deterministic algorithms only (cuBLAS, cuDNN): the same bits from the same inputs on the same GPU, "
+        "which a bitwise resume on GPUs needs; slower, and an operation without one fails",
+    )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

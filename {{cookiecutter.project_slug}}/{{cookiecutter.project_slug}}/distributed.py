@@ -21,6 +21,7 @@ log = logs.get_logger(__name__)
 _control_group = None  # a gloo group for small control messages when the main backend is nccl
 LONG_TIMEOUT = datetime.timedelta(days=1)  # while a debugger may hold a rank at a breakpoint
 PROBE_TIMEOUT = datetime.timedelta(seconds=2)
+CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"  # cuBLAS's deterministic setting; ":16:8" is too, with less memory
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,8 @@ def pick_device(backend, local_rank):
         return torch.device("cpu")
     if local_rank >= torch.cuda.device_count():
         raise RuntimeError(
-            f"local rank {local_rank} has no GPU: this machine has {torch.cuda.device_count()}; "
-            "use --nproc_per_node <= the number of GPUs"
+            f"local rank {local_rank} has no GPU: this machine has {torch.cuda.device_count()}, and nccl does not "
+            "put two ranks on one GPU; use --nproc_per_node <= the number of GPUs"
         )
     return torch.device("cuda", local_rank)
 
@@ -153,8 +154,26 @@ def collective_timeout(cfg):
     return LONG_TIMEOUT if debug.requested() else datetime.timedelta(seconds=cfg.dist_timeout)
 
 
+def use_deterministic_algorithms() -> None:
+    """The same bits from the same inputs on the same GPU and software, as PyTorch's reproducibility notes ask.
+
+    The cost, as they document it: deterministic operations are often slower than the others, cuDNN no longer
+    benchmarks convolution algorithms to pick the fastest, and an operation that has no deterministic
+    implementation raises a RuntimeError naming it instead of running. Under --compile, inductor skips its
+    autotuning too.
+    """
+    # cuBLAS reads this when it first sets up a stream's workspace, so it must be in place before the first
+    # matrix product; a value the user set (":16:8" is the smaller deterministic one) is kept.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+
+
 def init(env, cfg):
     """Start the process group (when under torchrun), pick the device, and let a debugger attach."""
+    if cfg.deterministic:
+        use_deterministic_algorithms()  # first: before any CUDA work
     backend = resolve_backend(cfg.backend)
     device = pick_device(backend, env.local_rank)
     if device.type == "cuda":

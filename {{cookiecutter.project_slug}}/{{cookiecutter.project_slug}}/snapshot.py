@@ -332,14 +332,18 @@ def _eventually(check, timeout=SHARED_FOLDER_WAIT_S, interval=0.2):
     return True
 
 
-def _copy_to_cpu(obj, staging, path=()):
+def _copy_to_cpu(obj, staging, path=(), staged=None):
     """A deep copy with every tensor copied to CPU memory: what the writer thread serializes.
 
     Tensors are copied into the buffers of the previous save (`staging`, keyed by their place in `obj`):
     for a large state, fresh memory costs several times more in page faults than the copy itself, and the
     training thread waits for this copy at its next fence(). The price: one copy of the state stays in memory.
+    A tensor whose place is in `staged` (CUDA tensors, see _DeviceCopies) is already on its way to the pinned
+    buffer named there.
     """
     if isinstance(obj, torch.Tensor):
+        if staged and path in staged:
+            return staged[path]
         buffer = staging.get(path)
         reusable = buffer is not None and obj.layout == torch.strided
         if reusable and buffer.shape == obj.shape and buffer.dtype == obj.dtype:
@@ -347,12 +351,78 @@ def _copy_to_cpu(obj, staging, path=()):
         staging[path] = obj.detach().to("cpu", copy=True)
         return staging[path]
     if isinstance(obj, dict):
-        return {key: _copy_to_cpu(value, staging, path + (key,)) for key, value in obj.items()}
+        return {key: _copy_to_cpu(value, staging, path + (key,), staged) for key, value in obj.items()}
     if isinstance(obj, list):
-        return [_copy_to_cpu(value, staging, path + (index,)) for index, value in enumerate(obj)]
+        return [_copy_to_cpu(value, staging, path + (index,), staged) for index, value in enumerate(obj)]
     if isinstance(obj, tuple):
-        return tuple(_copy_to_cpu(value, staging, path + (index,)) for index, value in enumerate(obj))
+        return tuple(_copy_to_cpu(value, staging, path + (index,), staged) for index, value in enumerate(obj))
     return copy.deepcopy(obj)
+
+
+class _DeviceCopies:
+    """The copies of one save's CUDA tensors into pinned CPU buffers, on a side stream of each device.
+
+    save() starts them on the training thread: it only enqueues work, so the training thread never waits for
+    the device. The side stream first waits for the training stream, so each copy sees every change enqueued
+    before save(); the training stream waits for the copies' events, on the device, at wait_until_copied(),
+    before the optimizer changes the tensors in place; the writer thread waits for the same events on the host
+    before it serializes. The pinned buffers are kept from one save to the next, like the CPU staging buffers:
+    allocating pinned memory is slow, and only a copy into pinned memory leaves the host free.
+    """
+
+    def __init__(self, pinned: dict, streams: dict):
+        self.pinned = pinned  # place in the state -> pinned CPU buffer, kept by Snapshots
+        self.streams = streams  # device -> its side stream, kept by Snapshots
+        self.staged = {}  # place -> the pinned buffer this save copies that tensor into
+        self.events = []  # (device, event recorded on its side stream after this save's copies)
+
+    def start(self, states: dict) -> None:
+        """Enqueue a copy of every strided CUDA tensor in `states` ({place prefix: state}), one stream per device."""
+        by_device = {}
+        for prefix, state in states.items():
+            for path, tensor in _cuda_tensors(state, prefix):
+                by_device.setdefault(tensor.device, []).append((path, tensor))
+        for device, tensors in by_device.items():
+            stream = self.streams.get(device)
+            if stream is None:
+                stream = self.streams[device] = torch.cuda.Stream(device=device)
+            stream.wait_stream(torch.cuda.current_stream(device))  # see every change enqueued before save()
+            with torch.cuda.stream(stream):
+                for path, tensor in tensors:
+                    buffer = self.pinned.get(path)
+                    if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                        buffer = self.pinned[path] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                    buffer.copy_(tensor, non_blocking=True)
+                    # The copy reads `tensor` on the side stream: its memory must not go back to the training
+                    # stream's pool before the copy is done, even if the caller drops the tensor at once.
+                    tensor.record_stream(stream)
+                    self.staged[path] = buffer
+            event = torch.cuda.Event(blocking=True)  # the writer thread sleeps while it waits, leaving the core free
+            event.record(stream)
+            self.events.append((device, event))
+
+    def order_training_stream(self) -> None:
+        """Make the training stream wait, on the device, until the copies are done; the host does not wait."""
+        for device, event in self.events:
+            torch.cuda.current_stream(device).wait_event(event)
+
+    def wait(self) -> None:
+        """Block this (the writer) thread until every copy has landed in its pinned buffer."""
+        for _, event in self.events:
+            event.synchronize()
+
+
+def _cuda_tensors(obj, path):
+    """(place, tensor) of every strided CUDA tensor in obj, walking dicts, lists and tuples as _copy_to_cpu does."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_cuda and obj.layout == torch.strided:
+            yield path, obj.detach()
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _cuda_tensors(value, path + (key,))
+    elif isinstance(obj, (list, tuple)):
+        for index, value in enumerate(obj):
+            yield from _cuda_tensors(value, path + (index,))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -393,6 +463,9 @@ class Snapshots:
         self._copied.set()
         self._error = None
         self._staging = {}  # CPU buffers the writer copies tensors into, kept from one save to the next
+        self._pinned = {}  # pinned CPU buffers the CUDA tensors are copied into, kept likewise
+        self._copy_streams = {}  # a side stream per CUDA device, for those copies
+        self._device_copies = None  # the CUDA copies of the save in flight, until the training stream waits for them
 
     # -- start-up ------------------------------------------------------------------------------------------------
 
@@ -622,11 +695,18 @@ class Snapshots:
         `shared` (rank 0's model, optimizer, ...) may hold live tensors: they are copied off the training path
         by the writer thread, and the caller must call wait_until_copied() before anything changes them in place
         (before optimizer.step()). Only one save is in flight: this waits for the previous one first.
+        CUDA tensors are copied into pinned memory on a side stream, started here without waiting for the
+        device (see _DeviceCopies); the first save allocates those buffers.
         """
         self.wait()
+        shared = shared if self.env.is_main else None
+        device_copies = _DeviceCopies(self._pinned, self._copy_streams)
+        if torch.cuda.is_initialized():  # no CUDA tensor can exist before CUDA is initialized
+            device_copies.start({("shared",): shared, ("rank",): rank_state})
+        self._device_copies = device_copies
         self._copied.clear()
         self._thread = threading.Thread(
-            target=self._write, args=(step, shared if self.env.is_main else None, rank_state),
+            target=self._write, args=(step, shared, rank_state, device_copies),
             name=f"snapshot-{step}", daemon=True,
         )
         self._thread.start()
@@ -634,8 +714,15 @@ class Snapshots:
             self.wait()
 
     def wait_until_copied(self) -> None:
-        """Return once the save in flight has copied the state; call it before the optimizer changes the weights."""
+        """Return once the save in flight has copied the state; call it before the optimizer changes the weights.
+
+        For CUDA tensors, "copied" means ordered on the device: work the caller enqueues from here on runs after
+        the copies, and the host does not wait for them.
+        """
         self._copied.wait()
+        if self._device_copies is not None:
+            self._device_copies.order_training_stream()
+            self._device_copies = None
         self._raise_error()
 
     def fence(self) -> None:
@@ -647,6 +734,7 @@ class Snapshots:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._device_copies = None  # the writer waited for them (or failed before they mattered)
         self._raise_error()
 
     def close(self) -> None:
@@ -670,13 +758,15 @@ class Snapshots:
                 reason = str(error)
             raise SnapshotError(f"saving a snapshot failed: {reason}") from error
 
-    def _write(self, step, shared, rank_state):
+    def _write(self, step, shared, rank_state, device_copies):
         try:
             try:
-                shared = _copy_to_cpu(shared, self._staging, ("shared",)) if shared is not None else None
-                rank_state = _copy_to_cpu(rank_state, self._staging, ("rank",))
+                staged = device_copies.staged
+                shared = _copy_to_cpu(shared, self._staging, ("shared",), staged) if shared is not None else None
+                rank_state = _copy_to_cpu(rank_state, self._staging, ("rank",), staged)
             finally:
                 self._copied.set()
+            device_copies.wait()
             folder = os.path.join(self.directory, step_name(step))
             os.makedirs(folder, exist_ok=True)
             files = {}
