@@ -157,8 +157,9 @@ def test_sigterm_stops_at_a_step_saves_and_a_relaunch_ends_bitwise_equal(tmp_pat
     os.kill(proc.pid, signal.SIGTERM)  # to torchrun, as SLURM or Kubernetes would
     code, out = finish(proc)
     assert code != 0, "a stopped run is not a success"
-    assert not (tmp_path / "run-export" / "summary.json").exists(), "a stopped run is not finished"
     stopped = final_model(tmp_path / "run-snapshots")["step"]  # the snapshot saved where the ranks stopped
+    assert (summary(tmp_path)["stop_signal"], summary(tmp_path)["steps"]) == (signal.SIGTERM, stopped)
+    assert not (tmp_path / "run-export" / "model.pt").exists(), "a stopped run has no final weights to export"
     assert 25 <= stopped < 120
     assert max(record["step"] for record in metrics(tmp_path)) <= stopped
     run(cmd)

@@ -447,8 +447,8 @@ class Trainer:
         already_complete = self.resumed_from >= self.total_steps
         summary = self._summary(already_complete=already_complete, stop_signal=stop.signal if stopped else 0)
         if not stopped:
-            self.export("model.pt")
-            self._write_summary(summary)
+            self.export("model.pt")  # final weights only from a run that finished
+        self._write_summary(summary)  # a stopped run's too, with its stop_signal
         if summary.already_complete:
             log.info("already complete: %d of %d steps, last loss %.4f%s; nothing to train (raise --max-steps or "
                      "--epochs to train on, or pass --resume never to start over)", summary.steps,
