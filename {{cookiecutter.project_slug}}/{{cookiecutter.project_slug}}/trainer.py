@@ -595,6 +595,7 @@ class Trainer:
             fields = {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
                       for k, v in dataclasses.asdict(summary).items()}
             text = json.dumps(fields, indent=1)
+            os.makedirs(self.cfg.export_dir, exist_ok=True)
             write_atomic(os.path.join(self.cfg.export_dir, "summary.json"), lambda f: f.write(text.encode()))
 
 
