@@ -62,10 +62,12 @@ def load_train_objs(args):
                                 if os.path.isfile(os.path.join(args.project, name, "model.py")))
     model_module = importlib.import_module(f"{slug}.model")
     data_module = importlib.import_module(f"{slug}.data")
-    dataset = data_module.TeacherDataset(args.dataset_size)
+    config = importlib.import_module(f"{slug}.config")
+    cfg = config.parse_args(["--width", str(args.width), "--depth", str(args.depth), "--dropout", str(args.dropout),
+                             "--dataset-size", str(args.dataset_size), "--wandb", "disabled"])
+    dataset, _ = data_module.build_datasets(cfg)  # the project's own seam: its training data and model
     torch.manual_seed(args.seed)
-    model = model_module.MLP(dataset.features, dataset.classes, width=args.width, depth=args.depth,
-                             dropout=args.dropout)
+    model = model_module.build_model(cfg, dataset)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     return dataset, model, optimizer
 

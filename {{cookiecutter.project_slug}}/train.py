@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> trainer.Summary:
         log.info("rank %d of %d, backend %s, device %s", env.rank, env.world_size, env.backend, env.device)
         summary = trainer.train(cfg, env)
         finished = True
-    except trainer.RunError as exc:
+    except config.RunError as exc:
         # Every rank meets the same problem: rank 0 says it, in one line, and each rank exits with code 2.
         log.log(logging.ERROR if env.is_main else logging.DEBUG, "%s", exc)
         raise SystemExit(2) from None

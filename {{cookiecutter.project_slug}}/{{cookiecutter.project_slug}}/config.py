@@ -70,6 +70,10 @@ class Rules:
         return f"must be {allowed}{why}, got {value}"
 
 
+class RunError(Exception):
+    """A problem the user fixes (settings, data, machine, an unfitting snapshot): reported as one line, no traceback."""
+
+
 def option(default: Any, help: str, *, choices: Sequence | None = None, min: float | None = None,
            max: float | None = None, above: float | None = None, below: float | None = None, nonempty: bool = False,
            finite: bool = True, reason: str = "") -> Any:

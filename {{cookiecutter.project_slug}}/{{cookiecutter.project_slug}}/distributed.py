@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import debug, logs
+from .config import RunError
 
 log = logs.get_logger(__name__)
 
@@ -58,7 +59,7 @@ def resolve_backend(requested):
     if requested == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if requested == "nccl" and not torch.cuda.is_available():
-        raise RuntimeError(
+        raise RunError(
             "--backend nccl needs CUDA GPUs, but torch.cuda.is_available() is False on this machine; "
             "use --backend gloo (or auto) to train on CPU"
         )
@@ -69,7 +70,7 @@ def pick_device(backend, local_rank):
     if backend == "gloo" or not torch.cuda.is_available():
         return torch.device("cpu")
     if local_rank >= torch.cuda.device_count():
-        raise RuntimeError(
+        raise RunError(
             f"local rank {local_rank} has no GPU: this machine has {torch.cuda.device_count()}, and nccl does not "
             "put two ranks on one GPU; use --nproc_per_node <= the number of GPUs"
         )

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_co
 
 from . import distributed, joblock, logs, tracking, watchdog
 from . import model as user_model
-from .config import Config, flag
+from .config import Config, RunError, flag
 from .data import build_datasets
 from .distributed import DistEnv
 from .snapshot import SnapshotError, Snapshots, capture_rng, restore_rng, step_name, write_atomic, write_json_atomic
@@ -40,10 +40,6 @@ from .snapshot import SnapshotError, Snapshots, capture_rng, restore_rng, step_n
 log = logs.get_logger(__name__)
 
 AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class RunError(Exception):
-    """A problem the user fixes (settings, data, an unfitting snapshot): reported as one line, no traceback."""
 
 
 STOP_RECORD = "stopped.json"  # in the snapshot folder: which torchrun job a signal stopped, at which step
