@@ -246,6 +246,18 @@ def broadcast_object(env, obj):
     return holder[0]
 
 
+def broadcast_buffers(env, model):
+    """Rank 0's buffers (BatchNorm's running statistics) to every rank, in place.
+
+    Each rank updates its own copy of the buffers in every training forward; DDP overwrites them with rank 0's
+    at the start of the next one. Code that uses them before that (evaluation) calls this first, so every rank
+    sees the statistics that rank 0 saves and exports.
+    """
+    if env.is_distributed:
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+
+
 def all_sum(env, tensor):
     """Sum of a tensor over ranks (a copy; the input is left alone)."""
     out = tensor.detach().clone()

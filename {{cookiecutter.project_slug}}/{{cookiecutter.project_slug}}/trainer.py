@@ -376,12 +376,14 @@ class Trainer:
 
         Each rank takes every world_size-th sample (no padding, no sampler), sums the loss and the metrics, and
         one all_reduce adds up sums and counts: the result equals one process evaluating the whole set. The model
-        runs in eval mode (BatchNorm uses its running statistics, dropout is off), and the random streams are put
-        back afterwards, so evaluating changes nothing a bitwise resume depends on.
+        runs in eval mode (BatchNorm uses its running statistics, dropout is off) with rank 0's buffers on every
+        rank, and the random streams are put back afterwards, so evaluating changes nothing a bitwise resume
+        depends on.
         """
         if self.val_data is None or len(self.val_data) == 0:
             return {}
         started, rng_state = time.perf_counter(), capture_rng()
+        distributed.broadcast_buffers(self.env, self.model)
         self.model.eval()
         shard = range(self.env.rank, len(self.val_data), self.env.world_size)
         loader = DataLoader(self.val_data, batch_size=self.cfg.batch_size, sampler=shard,
