@@ -10,8 +10,19 @@ from cookiecutter.utils import simple_filter
 
 @simple_filter
 def py_str(value):
-    """A Python string literal holding `value` (repr keeps non-ASCII text readable)."""
-    return repr(str(value))
+    """A Python string literal holding `value`, quoted as ruff format quotes it: double quotes unless the text holds
+    more of them than single quotes. Non-ASCII text stays readable; unprintable characters are escaped as repr does."""
+    text = str(value)
+    quote = "'" if text.count('"') > text.count("'") else '"'
+    body = []
+    for char in text:
+        if char in ("\\", quote):
+            body.append("\\" + char)
+        elif char.isprintable():
+            body.append(char)
+        else:
+            body.append(repr(char)[1:-1])
+    return quote + "".join(body) + quote
 
 
 @simple_filter

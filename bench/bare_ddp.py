@@ -58,13 +58,26 @@ class Trainer:
 
 def load_train_objs(args):
     sys.path.insert(0, os.path.abspath(args.project))
-    slug = args.package or next(name for name in os.listdir(args.project)
-                                if os.path.isfile(os.path.join(args.project, name, "model.py")))
+    slug = args.package or next(
+        name for name in os.listdir(args.project) if os.path.isfile(os.path.join(args.project, name, "model.py"))
+    )
     model_module = importlib.import_module(f"{slug}.model")
     data_module = importlib.import_module(f"{slug}.data")
     config = importlib.import_module(f"{slug}.config")
-    cfg = config.parse_args(["--width", str(args.width), "--depth", str(args.depth), "--dropout", str(args.dropout),
-                             "--dataset-size", str(args.dataset_size), "--wandb", "disabled"])
+    cfg = config.parse_args(
+        [
+            "--width",
+            str(args.width),
+            "--depth",
+            str(args.depth),
+            "--dropout",
+            str(args.dropout),
+            "--dataset-size",
+            str(args.dataset_size),
+            "--wandb",
+            "disabled",
+        ]
+    )
     dataset, _ = data_module.build_datasets(cfg)  # the project's own seam: its training data and model
     torch.manual_seed(args.seed)
     model = model_module.build_model(cfg, dataset)
@@ -73,8 +86,13 @@ def load_train_objs(args):
 
 
 def prepare_dataloader(dataset, batch_size):
-    return DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=True,
-                      sampler=DistributedSampler(dataset, drop_last=True))
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=False,
+        drop_last=True,
+        sampler=DistributedSampler(dataset, drop_last=True),
+    )
 
 
 def main():

@@ -33,8 +33,11 @@ def main() -> None:
     args, project_flags = parser.parse_known_args()
 
     sys.path.insert(0, os.path.abspath(args.project))
-    package = args.package or next(name for name in sorted(os.listdir(args.project))
-                                   if os.path.isfile(os.path.join(args.project, name, "model.py")))
+    package = args.package or next(
+        name
+        for name in sorted(os.listdir(args.project))
+        if os.path.isfile(os.path.join(args.project, name, "model.py"))
+    )
     config = importlib.import_module(f"{package}.config")
     data = importlib.import_module(f"{package}.data")
     model_module = importlib.import_module(f"{package}.model")
@@ -55,8 +58,13 @@ def main() -> None:
     model = model_module.build_model(cfg, train_data).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     model = DDP(model, device_ids=[local_rank] if on_gpu else None)
-    loader = DataLoader(train_data, batch_size=cfg.batch_size, drop_last=True, pin_memory=on_gpu,
-                        sampler=DistributedSampler(train_data, drop_last=True))
+    loader = DataLoader(
+        train_data,
+        batch_size=cfg.batch_size,
+        drop_last=True,
+        pin_memory=on_gpu,
+        sampler=DistributedSampler(train_data, drop_last=True),
+    )
 
     steps, epoch = 0, 0
     while steps < args.max_steps:

@@ -26,8 +26,20 @@ import sys
 import time
 from pathlib import Path
 
-from common import BARE, BENCH, FAILED_ATTEMPT, CpuMeter, Run, bake, load, machine, median, scratch_dir, \
-    steps_per_second, worker_pids
+from common import (
+    BARE,
+    BENCH,
+    FAILED_ATTEMPT,
+    CpuMeter,
+    Run,
+    bake,
+    load,
+    machine,
+    median,
+    scratch_dir,
+    steps_per_second,
+    worker_pids,
+)
 
 # Overhead: a step of a few milliseconds or more, so that per-step costs show against real work.
 OVERHEAD_MODEL = ["--width", "512", "--depth", "4", "--batch-size", "64", "--dataset-size", "65536"]
@@ -47,18 +59,23 @@ def section_overhead(project, package, work, pairs, steps, log):
         for kind in ("bare", "baked"):
             folder = work / f"overhead-{pair}-{kind}"
             if kind == "bare":
-                run = Run(BARE, ["--project", project, "--package", package, *OVERHEAD_MODEL, "--max-steps", steps],
-                          2, folder)
+                run = Run(
+                    BARE, ["--project", project, "--package", package, *OVERHEAD_MODEL, "--max-steps", steps], 2, folder
+                )
             else:  # default logging (every 10 steps, to the console and logs/train.log); no snapshot in the window
                 run = Run(project / "train.py", baked_args(OVERHEAD_MODEL, steps, steps + 1), 2, folder)
             code = run.wait(timeout=300)
             if code != 0:
                 raise RuntimeError(f"{kind} run exited {code}:\n{run.text()[-3000:]}")
-            result = {"launch_to_first_step_s": run.first_step() - run.launched,
-                      "steps_per_s": steps_per_second(run.step_times(), WARMUP_STEPS)}
+            result = {
+                "launch_to_first_step_s": run.first_step() - run.launched,
+                "steps_per_s": steps_per_second(run.step_times(), WARMUP_STEPS),
+            }
             runs[kind].append(result)
-            log(f"  {kind:5s} {result['steps_per_s']:7.2f} steps/s, first step {result['launch_to_first_step_s']:.2f} s "
-                "after launch")
+            log(
+                f"  {kind:5s} {result['steps_per_s']:7.2f} steps/s, "
+                f"first step {result['launch_to_first_step_s']:.2f} s after launch"
+            )
     return runs
 
 
@@ -68,8 +85,13 @@ def section_restart(project, work, kills, log):
     for index in range(kills):
         victim = 1 if index % 2 == 0 else 0
         folder = work / f"restart-{index}"
-        run = Run(project / "train.py", baked_args(OVERHEAD_MODEL, 1_000_000, 20), 2, folder,
-                  torchrun_args=["--max-restarts=3"])
+        run = Run(
+            project / "train.py",
+            baked_args(OVERHEAD_MODEL, 1_000_000, 20),
+            2,
+            folder,
+            torchrun_args=["--max-restarts=3"],
+        )
         try:
             cold = run.first_step(0, timeout=300) - run.launched
             time.sleep(random.uniform(1.0, 2.0))
@@ -82,15 +104,26 @@ def section_restart(project, work, kills, log):
         finally:
             run.stop()
         failed = run.text().count(FAILED_ATTEMPT)
-        results.append({"victim": victim, "cold_launch_to_first_step_s": cold, "kill_to_resumed_step_s": resumed,
-                        "failed_attempts": failed})
-        log(f"  killed rank {victim}: back to training {resumed:.2f} s after the kill (cold start {cold:.2f} s), "
-            f"{failed} failed attempt(s)")
+        results.append(
+            {
+                "victim": victim,
+                "cold_launch_to_first_step_s": cold,
+                "kill_to_resumed_step_s": resumed,
+                "failed_attempts": failed,
+            }
+        )
+        log(
+            f"  killed rank {victim}: back to training {resumed:.2f} s after the kill (cold start {cold:.2f} s), "
+            f"{failed} failed attempt(s)"
+        )
     return results
 
 
 SCALING_CONFIGS = [  # (ranks, --threads-per-rank; 0 = the project's default, cores // ranks)
-    (1, 0), (1, 1), (2, 0), (2, 1),
+    (1, 0),
+    (1, 1),
+    (2, 0),
+    (2, 1),
 ]
 
 
@@ -110,20 +143,39 @@ def section_scaling(project, work, reps, steps, log):
             batch = int(SCALING_MODEL[SCALING_MODEL.index("--batch-size") + 1])
             results[key].append(rate * batch * nproc)
             used = threads or max(1, cores // nproc)
-            log(f"  {nproc} rank(s) x {used} thread(s){' (default)' if not threads else ''}: "
-                f"{rate * batch * nproc:8.0f} samples/s")
+            log(
+                f"  {nproc} rank(s) x {used} thread(s){' (default)' if not threads else ''}: "
+                f"{rate * batch * nproc:8.0f} samples/s"
+            )
     return results
 
 
 def section_snapshot(project, package, work, reps, log):
     out = work / "stall.json"
-    subprocess.run([sys.executable, str(BENCH / "stall.py"), "--project", str(project), "--package", package,
-                    "--reps", str(reps), "--dir", str(work / "stall"), "--json", str(out)],
-                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "stall.py"),
+            "--project",
+            str(project),
+            "--package",
+            package,
+            "--reps",
+            str(reps),
+            "--dir",
+            str(work / "stall"),
+            "--json",
+            str(out),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     result = json.loads(out.read_text())
     shutil.rmtree(work / "stall", ignore_errors=True)
-    log(f"  {result['parameters'] / 1e6:.1f}M parameters: async stall {median(result['async_blocked_s']):.3f} s, "
-        f"sync torch.save {median(result['sync_save_s']):.2f} s")
+    log(
+        f"  {result['parameters'] / 1e6:.1f}M parameters: async stall {median(result['async_blocked_s']):.3f} s, "
+        f"sync torch.save {median(result['sync_save_s']):.2f} s"
+    )
     return result
 
 
@@ -131,14 +183,28 @@ def summarize_overhead(overhead):
     rows = []
     bare_rate = median([r["steps_per_s"] for r in overhead["bare"]])
     baked_rate = median([r["steps_per_s"] for r in overhead["baked"]])
-    rows.append({"metric": "steady-state steps/s, baked / bare (2 ranks)", "a": f"{bare_rate:.2f} steps/s",
-                 "b": f"{baked_rate:.2f} steps/s", "ratio": baked_rate / bare_rate, "goal": ">= 0.98",
-                 "pass": baked_rate / bare_rate >= 0.98})
+    rows.append(
+        {
+            "metric": "steady-state steps/s, baked / bare (2 ranks)",
+            "a": f"{bare_rate:.2f} steps/s",
+            "b": f"{baked_rate:.2f} steps/s",
+            "ratio": baked_rate / bare_rate,
+            "goal": ">= 0.98",
+            "pass": baked_rate / bare_rate >= 0.98,
+        }
+    )
     bare_first = median([r["launch_to_first_step_s"] for r in overhead["bare"]])
     baked_first = median([r["launch_to_first_step_s"] for r in overhead["baked"]])
-    rows.append({"metric": "launch to first optimizer step, baked / bare", "a": f"{bare_first:.2f} s",
-                 "b": f"{baked_first:.2f} s", "ratio": baked_first / bare_first, "goal": "<= 1.3",
-                 "pass": baked_first / bare_first <= 1.3})
+    rows.append(
+        {
+            "metric": "launch to first optimizer step, baked / bare",
+            "a": f"{bare_first:.2f} s",
+            "b": f"{baked_first:.2f} s",
+            "ratio": baked_first / bare_first,
+            "goal": "<= 1.3",
+            "pass": baked_first / bare_first <= 1.3,
+        }
+    )
     return rows
 
 
@@ -150,96 +216,165 @@ def summarize(overhead, restart, scaling, snapshot):
     if restart:
         cold = median([r["cold_launch_to_first_step_s"] for r in restart])
         back = median([r["kill_to_resumed_step_s"] for r in restart])
-        rows.append({"metric": "SIGKILL to resumed step / cold launch to first step", "a": f"{cold:.2f} s",
-                     "b": f"{back:.2f} s", "ratio": back / cold, "goal": "<= 1.2", "pass": back / cold <= 1.2})
+        rows.append(
+            {
+                "metric": "SIGKILL to resumed step / cold launch to first step",
+                "a": f"{cold:.2f} s",
+                "b": f"{back:.2f} s",
+                "ratio": back / cold,
+                "goal": "<= 1.2",
+                "pass": back / cold <= 1.2,
+            }
+        )
     if snapshot:
         sync = median(snapshot["sync_save_s"])
         stall = median(snapshot["async_blocked_s"])
-        rows.append({"metric": f"stall per snapshot, {snapshot['parameters'] / 1e6:.0f}M parameters: async / sync",
-                     "a": f"{sync:.2f} s", "b": f"{stall:.3f} s", "ratio": stall / sync, "goal": "<= 0.10",
-                     "pass": stall / sync <= 0.10})
+        rows.append(
+            {
+                "metric": f"stall per snapshot, {snapshot['parameters'] / 1e6:.0f}M parameters: async / sync",
+                "a": f"{sync:.2f} s",
+                "b": f"{stall:.3f} s",
+                "ratio": stall / sync,
+                "goal": "<= 0.10",
+                "pass": stall / sync <= 0.10,
+            }
+        )
     if scaling:
         one_project, one_single = median(scaling["1x0"]), median(scaling["1x1"])
         two_project, two_single = median(scaling["2x0"]), median(scaling["2x1"])
-        rows.append({"metric": "2 ranks / (2 x 1 rank), 1 thread per rank", "a": f"{one_single:.0f} samples/s",
-                     "b": f"{two_single:.0f} samples/s", "ratio": two_single / (2 * one_single), "goal": "report",
-                     "pass": None})
-        rows.append({"metric": "2 ranks / 1 rank, project threads (cores / ranks)", "a": f"{one_project:.0f} samples/s",
-                     "b": f"{two_project:.0f} samples/s", "ratio": two_project / one_project, "goal": "report",
-                     "pass": None})
+        rows.append(
+            {
+                "metric": "2 ranks / (2 x 1 rank), 1 thread per rank",
+                "a": f"{one_single:.0f} samples/s",
+                "b": f"{two_single:.0f} samples/s",
+                "ratio": two_single / (2 * one_single),
+                "goal": "report",
+                "pass": None,
+            }
+        )
+        rows.append(
+            {
+                "metric": "2 ranks / 1 rank, project threads (cores / ranks)",
+                "a": f"{one_project:.0f} samples/s",
+                "b": f"{two_project:.0f} samples/s",
+                "ratio": two_project / one_project,
+                "goal": "report",
+                "pass": None,
+            }
+        )
     return rows
 
 
 def write_report(path, info, rows, sections, raw, command):
-    lines = ["# Benchmark results", "",
-             f"Written by `{command}` on {info['date']}. Medians over alternating runs; A is the baseline, B the "
-             "baked project (or the async/resumed case).", "",
-             "| machine | |", "|---|---|",
-             f"| CPU | {info['cpu']} |", f"| cores (`nproc`) | {info['nproc']} |",
-             f"| torch | {info['torch']} |", f"| python | {info['python']} |",
-             f"| 1-minute load before | {info['load_before']:.2f} |",
-             f"| CPU used by other processes during the run | {info['foreign_cpu_s']:.0f} s over {info['wall_s']:.0f} s "
-             f"({info['foreign_cores']:.2f} cores on average) |", "",
-             "| metric | A | B | ratio | goal | result |", "|---|---|---|---|---|---|"]
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Written by `{command}` on {info['date']}. Medians over alternating runs; A is the baseline, B the "
+        "baked project (or the async/resumed case).",
+        "",
+        "| machine | |",
+        "|---|---|",
+        f"| CPU | {info['cpu']} |",
+        f"| cores (`nproc`) | {info['nproc']} |",
+        f"| torch | {info['torch']} |",
+        f"| python | {info['python']} |",
+        f"| 1-minute load before | {info['load_before']:.2f} |",
+        f"| CPU used by other processes during the run | {info['foreign_cpu_s']:.0f} s over {info['wall_s']:.0f} s "
+        f"({info['foreign_cores']:.2f} cores on average) |",
+        "",
+        "| metric | A | B | ratio | goal | result |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in rows:
         verdict = "-" if row["pass"] is None else ("pass" if row["pass"] else "FAIL")
         lines.append(f"| {row['metric']} | {row['a']} | {row['b']} | {row['ratio']:.3f} | {row['goal']} | {verdict} |")
     lines += ["", "## Sections", "", "| section | wall | other processes' CPU | load after |", "|---|---|---|---|"]
     for name, meter in sections.items():
-        lines.append(f"| {name} | {meter['wall_s']:.0f} s | {meter['foreign_cpu_s']:.0f} s "
-                     f"({meter['foreign_cores']:.2f} cores) | {meter['load_after']:.2f} |")
+        lines.append(
+            f"| {name} | {meter['wall_s']:.0f} s | {meter['foreign_cpu_s']:.0f} s "
+            f"({meter['foreign_cores']:.2f} cores) | {meter['load_after']:.2f} |"
+        )
     lines += ["", "## Every run", ""]
     overhead = raw.get("overhead")
     if overhead:
-        lines += ["Overhead (2 ranks, `" + " ".join(OVERHEAD_MODEL) + "`, steps/s after step "
-                  f"{WARMUP_STEPS}), in launch order:", "",
-                  "| pair | bare steps/s | baked steps/s | ratio | bare first step | baked first step | ratio |",
-                  "|---|---|---|---|---|---|---|"]
-        for i, (a, b) in enumerate(zip(overhead["bare"], overhead["baked"])):
-            lines.append(f"| {i} | {a['steps_per_s']:.2f} | {b['steps_per_s']:.2f} | "
-                         f"{b['steps_per_s'] / a['steps_per_s']:.3f} | {a['launch_to_first_step_s']:.2f} s | "
-                         f"{b['launch_to_first_step_s']:.2f} s | "
-                         f"{b['launch_to_first_step_s'] / a['launch_to_first_step_s']:.3f} |")
+        lines += [
+            "Overhead (2 ranks, `" + " ".join(OVERHEAD_MODEL) + "`, steps/s after step "
+            f"{WARMUP_STEPS}), in launch order:",
+            "",
+            "| pair | bare steps/s | baked steps/s | ratio | bare first step | baked first step | ratio |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for i, (a, b) in enumerate(zip(overhead["bare"], overhead["baked"], strict=True)):
+            lines.append(
+                f"| {i} | {a['steps_per_s']:.2f} | {b['steps_per_s']:.2f} | "
+                f"{b['steps_per_s'] / a['steps_per_s']:.3f} | {a['launch_to_first_step_s']:.2f} s | "
+                f"{b['launch_to_first_step_s']:.2f} s | "
+                f"{b['launch_to_first_step_s'] / a['launch_to_first_step_s']:.3f} |"
+            )
         lines.append("")
     if raw.get("restart"):
-        lines += ["Restart (`torchrun --max-restarts=3`, SIGKILL 1-2 s after the first step):", "",
-                  "| killed rank | cold launch to first step | kill to resumed step | failed attempts |",
-                  "|---|---|---|---|"]
+        lines += [
+            "Restart (`torchrun --max-restarts=3`, SIGKILL 1-2 s after the first step):",
+            "",
+            "| killed rank | cold launch to first step | kill to resumed step | failed attempts |",
+            "|---|---|---|---|",
+        ]
         for r in raw["restart"]:
-            lines.append(f"| {r['victim']} | {r['cold_launch_to_first_step_s']:.2f} s | {r['kill_to_resumed_step_s']:.2f} s"
-                         f" | {r['failed_attempts']} |")
+            lines.append(
+                f"| {r['victim']} | {r['cold_launch_to_first_step_s']:.2f} s | {r['kill_to_resumed_step_s']:.2f} s"
+                f" | {r['failed_attempts']} |"
+            )
         lines.append("")
     if raw.get("scaling"):
         cores = info["nproc"]
         single = median(raw["scaling"]["1x1"])
-        lines += ["Scaling (`" + " ".join(SCALING_MODEL) + "`, samples/s over all ranks; efficiency = samples/s / "
-                  "(cores busy x 1 rank with 1 thread)):", "",
-                  "| ranks x threads per rank | runs (samples/s) | median | efficiency per core |", "|---|---|---|---|"]
+        lines += [
+            "Scaling (`" + " ".join(SCALING_MODEL) + "`, samples/s over all ranks; efficiency = samples/s / "
+            "(cores busy x 1 rank with 1 thread)):",
+            "",
+            "| ranks x threads per rank | runs (samples/s) | median | efficiency per core |",
+            "|---|---|---|---|",
+        ]
         for nproc, threads in SCALING_CONFIGS:
             values = raw["scaling"][f"{nproc}x{threads}"]
             used = threads or max(1, cores // nproc)
             busy = min(cores, nproc * used)
             label = f"{nproc} x {used}" + (" (project default)" if not threads else " (`--threads-per-rank 1`)")
-            lines.append(f"| {label} | {', '.join(f'{v:.0f}' for v in values)} | {median(values):.0f} | "
-                         f"{median(values) / (busy * single):.2f} |")
-        lines += ["", "torchrun sets `OMP_NUM_THREADS=1` only when it starts several ranks per machine; the project "
-                  "sets cores // ranks per machine instead (`--threads-per-rank` overrides it).", ""]
+            lines.append(
+                f"| {label} | {', '.join(f'{v:.0f}' for v in values)} | {median(values):.0f} | "
+                f"{median(values) / (busy * single):.2f} |"
+            )
+        lines += [
+            "",
+            "torchrun sets `OMP_NUM_THREADS=1` only when it starts several ranks per machine; the project "
+            "sets cores // ranks per machine instead (`--threads-per-rank` overrides it).",
+            "",
+        ]
     snap = raw.get("snapshot")
     if snap:
         gib = snap["state_bytes"] / 2**30
-        lines += [f"Snapshot ({snap['parameters'] / 1e6:.1f}M parameters, {gib:.2f} GiB of model and AdamW state, "
-                  f"{snap['threads']} threads, plain training step {snap['plain_step_s']:.2f} s):", "",
-                  "| rep | sync torch.save | + fsync | async save() | async fence() | async stall | background write "
-                  "| steps during it | their extra time |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"Snapshot ({snap['parameters'] / 1e6:.1f}M parameters, {gib:.2f} GiB of model and AdamW state, "
+            f"{snap['threads']} threads, plain training step {snap['plain_step_s']:.2f} s):",
+            "",
+            "| rep | sync torch.save | + fsync | async save() | async fence() | async stall | background write "
+            "| steps during it | their extra time |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for i in range(snap["reps"]):
             lines.append(
                 f"| {i} | {snap['sync_save_s'][i]:.2f} s | {snap['sync_save_fsync_s'][i]:.2f} s | "
                 f"{snap['async_save_call_s'][i]:.3f} s | {snap['async_fence_wait_s'][i]:.3f} s | "
                 f"{snap['async_blocked_s'][i]:.3f} s | {snap['async_background_s'][i]:.2f} s | "
-                f"{snap['async_steps_during_write'][i]} | {snap['async_extra_step_time_s'][i]:+.2f} s |")
-        lines += ["", "The stall is the time the training thread spends in `Snapshots.save()` and `fence()`. The steps "
-                  "that run while the writer thread copies, serializes, checksums and fsyncs share the CPU with it; "
-                  "their extra time over a plain step is shown apart.", ""]
+                f"{snap['async_steps_during_write'][i]} | {snap['async_extra_step_time_s'][i]:+.2f} s |"
+            )
+        lines += [
+            "",
+            "The stall is the time the training thread spends in `Snapshots.save()` and `fence()`. The steps "
+            "that run while the writer thread copies, serializes, checksums and fsyncs share the CPU with it; "
+            "their extra time over a plain step is shown apart.",
+            "",
+        ]
     Path(path).write_text("\n".join(lines))
 
 
@@ -253,14 +388,25 @@ def main():
     parser.add_argument("--snapshot-reps", type=int, default=3)
     parser.add_argument("--only", default="overhead,restart,scaling,snapshot", help="sections to run, comma-separated")
     parser.add_argument("--quick", action="store_true", help="fewer and shorter runs, to try the benchmark out")
-    parser.add_argument("--wait-quiet", type=float, default=0.0,
-                        help="wait up to this many minutes for the 1-minute load to drop below 0.5 before starting")
+    parser.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        help="wait up to this many minutes for the 1-minute load to drop below 0.5 before starting",
+    )
     parser.add_argument("--out", default=str(BENCH / "RESULTS.md"))
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
     parser.add_argument("--project", default="", help="measure this baked project instead of baking one")
     args = parser.parse_args()
     if args.quick:
-        args.pairs, args.steps, args.kills, args.scaling_reps, args.scaling_steps, args.snapshot_reps = 1, 150, 1, 1, 15, 1
+        args.pairs, args.steps, args.kills, args.scaling_reps, args.scaling_steps, args.snapshot_reps = (
+            1,
+            150,
+            1,
+            1,
+            15,
+            1,
+        )
     sections_wanted = set(args.only.split(","))
 
     def log(text):
@@ -277,8 +423,9 @@ def main():
     whole = CpuMeter()
     raw, meters = {}, {}
     try:
-        project, package = (Path(args.project).resolve(), Path(args.project).resolve().name) if args.project \
-            else bake(work / "bake")
+        project, package = (
+            (Path(args.project).resolve(), Path(args.project).resolve().name) if args.project else bake(work / "bake")
+        )
         log(f"baked {project}")
         plan = [
             ("overhead", lambda: section_overhead(project, package, work, args.pairs, args.steps, log)),
@@ -302,8 +449,9 @@ def main():
     rows = summarize(raw.get("overhead"), raw.get("restart"), raw.get("scaling"), raw.get("snapshot"))
     command = "./bench.sh" + "".join(f" {a}" for a in sys.argv[1:])
     write_report(args.out, info, rows, meters, raw, command)
-    Path(args.out).with_suffix(".json").write_text(json.dumps({"machine": info, "rows": rows, "sections": meters,
-                                                                "raw": raw}, indent=1, default=str))
+    Path(args.out).with_suffix(".json").write_text(
+        json.dumps({"machine": info, "rows": rows, "sections": meters, "raw": raw}, indent=1, default=str)
+    )
     log("")
     for row in rows:
         verdict = "" if row["pass"] is None else ("pass" if row["pass"] else "FAIL")

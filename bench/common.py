@@ -21,17 +21,29 @@ FAILED_ATTEMPT = "failed (exitcode: "
 
 def bake(scratch):
     """Bake the template with its defaults into `scratch`; return (project folder, package name)."""
-    subprocess.run([sys.executable, "-m", "cookiecutter", "--no-input", "--overwrite-if-exists", str(ROOT), "-o",
-                    str(scratch)], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "cookiecutter", "--no-input", "--overwrite-if-exists", str(ROOT), "-o", str(scratch)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     project = Path(scratch) / "ddp_project"
     return project, "ddp_project"
 
 
 def child_env(probe_dir, **extra):
     """The environment of a benchmark run: no debugger, no wandb, no torchrun leftovers of the caller."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("DEBUG_", "WANDB_", "TORCHELASTIC_", "OMP_", "PROBE_"))}
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DEBUGPY_RUNNING"):
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("DEBUG_", "WANDB_", "TORCHELASTIC_", "OMP_", "PROBE_"))
+    }
+    for key in (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "DEBUGPY_RUNNING",
+    ):
         env.pop(key, None)
     env.update({"PYTHONUNBUFFERED": "1", "PROBE_DIR": str(probe_dir), "WANDB_MODE": "disabled"})
     env.update({k: str(v) for k, v in extra.items()})
@@ -46,19 +58,34 @@ class Run:
         self.probe_dir = self.workdir / "probe"
         self.probe_dir.mkdir(parents=True, exist_ok=True)
         self.output = self.workdir / "torchrun.out"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                   *torchrun_args, str(PROBE), str(script), *map(str, args)]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            *torchrun_args,
+            str(PROBE),
+            str(script),
+            *map(str, args),
+        ]
         self._out = open(self.output, "w")
         self.launched = time.time()
-        self.proc = subprocess.Popen(command, cwd=self.workdir, env=child_env(self.probe_dir, **(env_extra or {})),
-                                     stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            command,
+            cwd=self.workdir,
+            env=child_env(self.probe_dir, **(env_extra or {})),
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def wait(self, timeout):
         try:
             code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.stop()
-            raise RuntimeError(f"{self.workdir}: still running after {timeout} s; output in {self.output}")
+            raise RuntimeError(f"{self.workdir}: still running after {timeout} s; output in {self.output}") from None
         finally:
             self._out.close()
         return code
@@ -85,6 +112,7 @@ class Run:
 
     def first_step(self, attempt=0, timeout=None):
         """Wall-clock time at which every rank of `attempt` had finished its first optimizer step."""
+
         def read():
             files = glob.glob(str(self.probe_dir / f"first-rank*-attempt{attempt}.json"))
             return [json.loads(Path(f).read_text())["first_step"] for f in files]
@@ -180,8 +208,12 @@ class CpuMeter:
         busy, ours, wall = self._read()
         foreign = max(0.0, (busy - self.start[0]) - (ours - self.start[1]))
         seconds = wall - self.start[2]
-        return {"wall_s": seconds, "foreign_cpu_s": foreign, "foreign_cores": foreign / seconds if seconds else 0.0,
-                "load_after": load()[0]}
+        return {
+            "wall_s": seconds,
+            "foreign_cpu_s": foreign,
+            "foreign_cores": foreign / seconds if seconds else 0.0,
+            "load_after": load()[0],
+        }
 
 
 def scratch_dir(prefix):

@@ -26,17 +26,26 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import torch
-
 from common import BENCH, Run, machine, median, steps_per_second
 
 BARE = BENCH / "bare_ddp_cuda.py"
 SIZES = {  # the demo's own flags: this benchmark measures the template's demo
-    "full": {"overhead": ["--width", "4096", "--depth", "4", "--batch-size", "256", "--dataset-size", "65536"],
-             "snapshot": ["--width", "4096", "--depth", "7", "--batch-size", "32"],
-             "pairs": 3, "steps": 300, "warmup": 20, "reps": 3},
-    "quick": {"overhead": ["--width", "64", "--depth", "2", "--batch-size", "32", "--dataset-size", "2048"],
-              "snapshot": ["--width", "256", "--depth", "2", "--batch-size", "32", "--dataset-size", "256"],
-              "pairs": 1, "steps": 30, "warmup": 5, "reps": 1},
+    "full": {
+        "overhead": ["--width", "4096", "--depth", "4", "--batch-size", "256", "--dataset-size", "65536"],
+        "snapshot": ["--width", "4096", "--depth", "7", "--batch-size", "32"],
+        "pairs": 3,
+        "steps": 300,
+        "warmup": 20,
+        "reps": 3,
+    },
+    "quick": {
+        "overhead": ["--width", "64", "--depth", "2", "--batch-size", "32", "--dataset-size", "2048"],
+        "snapshot": ["--width", "256", "--depth", "2", "--batch-size", "32", "--dataset-size", "256"],
+        "pairs": 1,
+        "steps": 30,
+        "warmup": 5,
+        "reps": 1,
+    },
 }
 RUN_TIMEOUT_S = 240  # one training run of the overhead section
 
@@ -63,20 +72,43 @@ def section_overhead(project, package, device, work, size, budget, log):
         for kind in ("bare", "baked"):
             folder = work / f"overhead-{pair}-{kind}"
             if kind == "bare":
-                run = Run(BARE, ["--project", project, "--package", package, "--device", device, "--max-steps", steps,
-                                 *flags], 1, folder)
+                run = Run(
+                    BARE,
+                    ["--project", project, "--package", package, "--device", device, "--max-steps", steps, *flags],
+                    1,
+                    folder,
+                )
             else:
-                run = Run(project / "train.py", [*flags, "--max-steps", steps, "--snapshot-every", steps + 1,
-                                                 "--eval-every", 0, "--wandb", "disabled", "--backend", backend],
-                          1, folder)
+                run = Run(
+                    project / "train.py",
+                    [
+                        *flags,
+                        "--max-steps",
+                        steps,
+                        "--snapshot-every",
+                        steps + 1,
+                        "--eval-every",
+                        0,
+                        "--wandb",
+                        "disabled",
+                        "--backend",
+                        backend,
+                    ],
+                    1,
+                    folder,
+                )
             code = run.wait(timeout=max(30.0, min(RUN_TIMEOUT_S, budget.left())))
             if code != 0:
                 raise RuntimeError(f"the {kind} run exited {code}:\n{run.text()[-3000:]}")
-            result = {"launch_to_first_step_s": run.first_step() - run.launched,
-                      "steps_per_s": steps_per_second(run.step_times(), size["warmup"])}
+            result = {
+                "launch_to_first_step_s": run.first_step() - run.launched,
+                "steps_per_s": steps_per_second(run.step_times(), size["warmup"]),
+            }
             runs[kind].append(result)
-            log(f"  {kind:5s} {result['steps_per_s']:8.2f} steps/s, first step "
-                f"{result['launch_to_first_step_s']:.2f} s after launch")
+            log(
+                f"  {kind:5s} {result['steps_per_s']:8.2f} steps/s, first step "
+                f"{result['launch_to_first_step_s']:.2f} s after launch"
+            )
     return runs
 
 
@@ -116,9 +148,16 @@ def section_snapshot(project, package, device, work, size, log):
         step[0] += 1
 
     def state():  # what the baked trainer's save_snapshot() gathers
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": {}, "step": step[0],
-                "progress": {"step": step[0]}, "config": cfg.to_dict(), "run_id": "bench",
-                "torch_version": str(torch.__version__)}
+        return {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scaler": {},
+            "step": step[0],
+            "progress": {"step": step[0]},
+            "config": cfg.to_dict(),
+            "run_id": "bench",
+            "torch_version": str(torch.__version__),
+        }
 
     def timed_step(save=False):
         """Seconds from the start of a step to its end on the device, with a background save in it or not."""
@@ -140,8 +179,16 @@ def section_snapshot(project, package, device, work, size, log):
     snapshots = snapshot.Snapshots(str(folder / "snapshots"), distributed.DistEnv(device=device), keep=2)
     state_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
     snapshots.prepare(state_bytes)
-    result = {"parameters": parameters, "state_bytes": state_bytes, "device": str(device), "sync_save_s": [],
-              "async_blocked_s": [], "plain_step_s": [], "saving_step_s": [], "async_background_s": []}
+    result = {
+        "parameters": parameters,
+        "state_bytes": state_bytes,
+        "device": str(device),
+        "sync_save_s": [],
+        "async_blocked_s": [],
+        "plain_step_s": [],
+        "saving_step_s": [],
+        "async_background_s": [],
+    }
     try:
         for _ in range(3):  # AdamW's state exists after the first step; the rest warms the allocator
             timed_step()
@@ -164,9 +211,11 @@ def section_snapshot(project, package, device, work, size, log):
             result["saving_step_s"].append(seconds)
             result["async_blocked_s"].append(blocked)
             result["async_background_s"].append(time.perf_counter() - started)
-            log(f"  rep {rep}: torch.save {result['sync_save_s'][-1]:.3f} s, background save stalls "
+            log(
+                f"  rep {rep}: torch.save {result['sync_save_s'][-1]:.3f} s, background save stalls "
                 f"{blocked:.4f} s, step {result['plain_step_s'][-1] * 1e3:.1f} ms plain / {seconds * 1e3:.1f} ms "
-                f"with a save")
+                f"with a save"
+            )
     finally:
         snapshots.close()
         shutil.rmtree(folder, ignore_errors=True)
@@ -174,6 +223,7 @@ def section_snapshot(project, package, device, work, size, log):
 
 
 # ---- the summary ------------------------------------------------------------------------------------------------
+
 
 def pytest_outcome(xml_path, exit_code):
     """(what pytest -m gpu reported, in a few words; whether it passed)."""
@@ -208,31 +258,59 @@ def rows_of(results):
     rows = []
     floor, meets = torch_floor(results["project"])
     install = results["install"]
-    rows.append(("install from the prepared folder, no network", "", "ok" if install == "ok" else "FAILED", "",
-                 f"torch {torch.__version__} against the declared torch{floor}: {'met' if meets else 'NOT met'}"))
+    rows.append(
+        (
+            "install from the prepared folder, no network",
+            "",
+            "ok" if install == "ok" else "FAILED",
+            "",
+            f"torch {torch.__version__} against the declared torch{floor}: {'met' if meets else 'NOT met'}",
+        )
+    )
     words, _ = results["tests"]
     rows.append(("pytest -m gpu", "", words, "", f"{torch.cuda.device_count()} GPU(s) visible"))
     overhead = results.get("overhead")
     if isinstance(overhead, dict):
         pairs = len(overhead["bare"])
-        for label, key, unit in (("steady-state steps/s: bare loop (A), baked train.py (B)", "steps_per_s", ""),
-                                 ("launch to first optimizer step", "launch_to_first_step_s", " s")):
+        for label, key, unit in (
+            ("steady-state steps/s: bare loop (A), baked train.py (B)", "steps_per_s", ""),
+            ("launch to first optimizer step", "launch_to_first_step_s", " s"),
+        ):
             a, b = median([r[key] for r in overhead["bare"]]), median([r[key] for r in overhead["baked"]])
-            rows.append((label, f"{a:.2f}{unit}", f"{b:.2f}{unit}", f"{b / a:.3f}",
-                         f"median of {pairs} alternating pair(s), 1 rank"))
+            rows.append(
+                (
+                    label,
+                    f"{a:.2f}{unit}",
+                    f"{b:.2f}{unit}",
+                    f"{b / a:.3f}",
+                    f"median of {pairs} alternating pair(s), 1 rank",
+                )
+            )
     elif overhead:
         rows.append(("steps/s, bare loop vs baked train.py", "", overhead, "", ""))
     snap = results.get("snapshot")
     if isinstance(snap, dict):
         sync, stall = median(snap["sync_save_s"]), median(snap["async_blocked_s"])
-        rows.append(("training-thread stall per snapshot: torch.save (A), background save (B)", f"{sync:.3f} s",
-                     f"{stall:.4f} s", f"{stall / sync:.4f}",
-                     f"{_millions(snap['parameters'])} parameters and AdamW state on {snap['device']}; the first "
-                     f"save, which allocates its buffers, {snap['first_save_s']:.2f} s"))
+        rows.append(
+            (
+                "training-thread stall per snapshot: torch.save (A), background save (B)",
+                f"{sync:.3f} s",
+                f"{stall:.4f} s",
+                f"{stall / sync:.4f}",
+                f"{_millions(snap['parameters'])} parameters and AdamW state on {snap['device']}; the first "
+                f"save, which allocates its buffers, {snap['first_save_s']:.2f} s",
+            )
+        )
         plain, saving = median(snap["plain_step_s"]), median(snap["saving_step_s"])
-        rows.append(("one step, to its end on the device: plain (A), with a save (B)", f"{plain * 1e3:.1f} ms",
-                     f"{saving * 1e3:.1f} ms", f"{saving / plain:.2f}",
-                     "B holds the save's copies, which the step's optimizer waits for on the device"))
+        rows.append(
+            (
+                "one step, to its end on the device: plain (A), with a save (B)",
+                f"{plain * 1e3:.1f} ms",
+                f"{saving * 1e3:.1f} ms",
+                f"{saving / plain:.2f}",
+                "B holds the save's copies, which the step's optimizer waits for on the device",
+            )
+        )
     elif snap:
         rows.append(("snapshot stall", "", snap, "", ""))
     if results.get("started"):
@@ -246,12 +324,20 @@ def _millions(count):
 
 
 def table(results, info):
-    title = (f"GPU check on {info['gpu']}" if results["device"] == "cuda" else
-             "GPU check, DRY RUN ON CPU: the plumbing only, no GPU result")
-    lines = [f"### {title}", "",
-             f"torch {info['torch']} (CUDA {info['cuda'] or 'none'}), Python {info['python']}, {info['cpu']}, "
-             f"{info['nproc']} cores, {info['date']}", "",
-             "| check | A | B | B/A | note |", "|---|---|---|---|---|"]
+    title = (
+        f"GPU check on {info['gpu']}"
+        if results["device"] == "cuda"
+        else "GPU check, DRY RUN ON CPU: the plumbing only, no GPU result"
+    )
+    lines = [
+        f"### {title}",
+        "",
+        f"torch {info['torch']} (CUDA {info['cuda'] or 'none'}), Python {info['python']}, {info['cpu']}, "
+        f"{info['nproc']} cores, {info['date']}",
+        "",
+        "| check | A | B | B/A | note |",
+        "|---|---|---|---|---|",
+    ]
     lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows_of(results)]
     return "\n".join(lines) + "\n"
 
@@ -292,11 +378,19 @@ def main():
     def log(text):
         print(text, flush=True)
 
-    results = {"project": project, "device": args.device, "install": args.install, "started": args.started,
-               "limit_s": args.limit, "tests": pytest_outcome(args.tests_xml, args.tests_exit)}
+    results = {
+        "project": project,
+        "device": args.device,
+        "install": args.install,
+        "started": args.started,
+        "limit_s": args.limit,
+        "tests": pytest_outcome(args.tests_xml, args.tests_exit),
+    }
     failed = args.install != "ok" or not results["tests"][1]
-    sections = (("overhead", lambda: section_overhead(project, package, args.device, work, size, budget, log)),
-                ("snapshot", lambda: section_snapshot(project, package, args.device, work, size, log)))
+    sections = (
+        ("overhead", lambda: section_overhead(project, package, args.device, work, size, budget, log)),
+        ("snapshot", lambda: section_snapshot(project, package, args.device, work, size, log)),
+    )
     for name, section in sections:
         if budget.left() < (10 if args.quick else 60):
             results[name] = "not run: the time budget is spent"

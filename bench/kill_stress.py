@@ -24,8 +24,24 @@ from pathlib import Path
 
 from common import BENCH, FAILED_ATTEMPT, CpuMeter, Run, bake, load, machine, median, scratch_dir, worker_pids
 
-ARGS = ["--wandb", "disabled", "--width", "256", "--depth", "3", "--dataset-size", "8192", "--batch-size", "32",
-        "--max-steps", "600", "--snapshot-every", "25", "--log-every", "25"]
+ARGS = [
+    "--wandb",
+    "disabled",
+    "--width",
+    "256",
+    "--depth",
+    "3",
+    "--dataset-size",
+    "8192",
+    "--batch-size",
+    "32",
+    "--max-steps",
+    "600",
+    "--snapshot-every",
+    "25",
+    "--log-every",
+    "25",
+]
 TORCHRUN = ["--max-restarts=3"]
 
 
@@ -71,8 +87,9 @@ def main():
     work = scratch_dir("ddp-kill-stress-")
     rows = []
     try:
-        project, package = (Path(args.project).resolve(), Path(args.project).resolve().name) if args.project \
-            else bake(work / "bake")
+        project, package = (
+            (Path(args.project).resolve(), Path(args.project).resolve().name) if args.project else bake(work / "bake")
+        )
         sys.path.insert(0, str(project))
         snapshot = importlib.import_module(f"{package}.snapshot")
 
@@ -116,10 +133,12 @@ def main():
                 row["final_step"], row["equal"], row["error"] = None, False, f"{type(exc).__name__}: {exc}"
             rows.append(row)
             back = row["kill_to_resumed_step_s"]
-            log(f"run {index:2d}: killed rank {victim} {delay:.2f} s after the first step; exit {row['exit_code']}, "
+            log(
+                f"run {index:2d}: killed rank {victim} {delay:.2f} s after the first step; exit {row['exit_code']}, "
                 f"{row['failed_attempts']} failed attempt(s), resumed from step {row['resumed_from']}, "
                 f"back {'-' if back is None else f'{back:.2f} s'} after the kill, "
-                f"weights {'equal' if row['equal'] else 'DIFFERENT'}")
+                f"weights {'equal' if row['equal'] else 'DIFFERENT'}"
+            )
     finally:
         if args.keep:
             log(f"scratch folder kept: {work}")
@@ -130,41 +149,56 @@ def main():
     write_report(args.out, info, rows, training_s, " ".join(["python bench/kill_stress.py", *sys.argv[1:]]))
     Path(args.out).with_suffix(".json").write_text(json.dumps({"machine": info, "runs": rows}, indent=1))
     ok = all(r["exit_code"] == 0 and r["failed_attempts"] == 1 and r["equal"] for r in rows)
-    log(f"\n{sum(r['equal'] for r in rows)}/{len(rows)} jobs ended with the reference's weights; "
-        f"written to {args.out}")
+    log(f"\n{sum(r['equal'] for r in rows)}/{len(rows)} jobs ended with the reference's weights; written to {args.out}")
     return 0 if ok else 1
 
 
 def write_report(path, info, rows, training_s, command):
-    lines = ["# Kill stress test", "",
-             f"Written by `{command}` on {info['date']}: {info['cpu']}, {info['nproc']} cores, torch {info['torch']}, "
-             f"1-minute load {info['load_before']:.2f} before; {info['wall_s'] / 60:.1f} min, during which other "
-             f"processes used {info['foreign_cpu_s']:.0f} s of CPU ({info['foreign_cores']:.2f} cores on average).", "",
-             "Each job: `torchrun --standalone --nproc_per_node=2 --max-restarts=3 train.py " + " ".join(ARGS) + "`, "
-             f"one worker SIGKILLed at a random time in the first 90% of its training ({training_s:.1f} s in the "
-             "uninterrupted reference job). \"Back\" is the time from the kill to the first optimizer step after the "
-             "resume. \"Equal\": the final weights are torch.equal to the reference's, tensor by tensor.", "",
-             "## Summary", "",
-             "| killed rank | jobs | exit 0 | exactly 1 failed attempt | weights equal | back: min / median / max |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "# Kill stress test",
+        "",
+        f"Written by `{command}` on {info['date']}: {info['cpu']}, {info['nproc']} cores, torch {info['torch']}, "
+        f"1-minute load {info['load_before']:.2f} before; {info['wall_s'] / 60:.1f} min, during which other "
+        f"processes used {info['foreign_cpu_s']:.0f} s of CPU ({info['foreign_cores']:.2f} cores on average).",
+        "",
+        "Each job: `torchrun --standalone --nproc_per_node=2 --max-restarts=3 train.py " + " ".join(ARGS) + "`, "
+        f"one worker SIGKILLed at a random time in the first 90% of its training ({training_s:.1f} s in the "
+        'uninterrupted reference job). "Back" is the time from the kill to the first optimizer step after the '
+        'resume. "Equal": the final weights are torch.equal to the reference\'s, tensor by tensor.',
+        "",
+        "## Summary",
+        "",
+        "| killed rank | jobs | exit 0 | exactly 1 failed attempt | weights equal | back: min / median / max |",
+        "|---|---|---|---|---|---|",
+    ]
     for victim in sorted({r["victim"] for r in rows}):
         mine = [r for r in rows if r["victim"] == victim]
         back = [r["kill_to_resumed_step_s"] for r in mine if r["kill_to_resumed_step_s"] is not None]
         spread = f"{min(back):.2f} / {median(back):.2f} / {max(back):.2f} s" if back else "-"
-        lines.append(f"| {victim} | {len(mine)} | {sum(r['exit_code'] == 0 for r in mine)} | "
-                     f"{sum(r['failed_attempts'] == 1 for r in mine)} | {sum(bool(r['equal']) for r in mine)} | {spread} |")
+        lines.append(
+            f"| {victim} | {len(mine)} | {sum(r['exit_code'] == 0 for r in mine)} | "
+            f"{sum(r['failed_attempts'] == 1 for r in mine)} | {sum(bool(r['equal']) for r in mine)} | {spread} |"
+        )
     attempts = {}
     for r in rows:
         attempts[r["failed_attempts"]] = attempts.get(r["failed_attempts"], 0) + 1
-    lines += ["", "Failed attempts per job: " + ", ".join(f"{n} in {count} job(s)" for n, count in sorted(attempts.items())),
-              "", "## Every job", "",
-              "| job | killed rank | kill after first step | exit code | failed attempts | resumed from step | back "
-              "| final step | weights equal |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Failed attempts per job: " + ", ".join(f"{n} in {count} job(s)" for n, count in sorted(attempts.items())),
+        "",
+        "## Every job",
+        "",
+        "| job | killed rank | kill after first step | exit code | failed attempts | resumed from step | back "
+        "| final step | weights equal |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         back = "-" if r["kill_to_resumed_step_s"] is None else f"{r['kill_to_resumed_step_s']:.2f} s"
         equal = "yes" if r["equal"] else ("NO" + (f" ({r['error']})" if r.get("error") else ""))
-        lines.append(f"| {r['run']} | {r['victim']} | {r['kill_after_first_step_s']:.2f} s | {r['exit_code']} | "
-                     f"{r['failed_attempts']} | {r['resumed_from']} | {back} | {r['final_step']} | {equal} |")
+        lines.append(
+            f"| {r['run']} | {r['victim']} | {r['kill_after_first_step_s']:.2f} s | {r['exit_code']} | "
+            f"{r['failed_attempts']} | {r['resumed_from']} | {back} | {r['final_step']} | {equal} |"
+        )
     Path(path).write_text("\n".join(lines) + "\n")
 
 

@@ -71,16 +71,27 @@ def main():
         return time.perf_counter() - start
 
     def state():  # what the baked trainer's snapshot_state() gathers
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": copy.deepcopy(scheduler.state_dict()), "scaler": {}, "step": step[0],
-                "progress": {"step": step[0]}, "config": vars(args), "run_id": "bench",
-                "torch_version": str(torch.__version__)}
+        return {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": copy.deepcopy(scheduler.state_dict()),
+            "scaler": {},
+            "step": step[0],
+            "progress": {"step": step[0]},
+            "config": vars(args),
+            "run_id": "bench",
+            "torch_version": str(torch.__version__),
+        }
 
     for _ in range(3):  # AdamW's state exists after the first step; the rest warms the allocator
         train_step()
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    state_bytes += sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
-                       if isinstance(t, torch.Tensor))
+    state_bytes += sum(
+        t.numel() * t.element_size()
+        for s in optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    )
 
     plain_steps, sync, durable, blocked, save_call, fence_wait, extra, background, writer_steps = ([] for _ in range(9))
     for rep in range(args.reps):
@@ -123,11 +134,19 @@ def main():
     for times in writer_steps:
         extra.append(sum(t - base for t in times))
     result = {
-        "parameters": parameters, "state_bytes": state_bytes, "reps": args.reps,
-        "plain_step_s": base, "sync_save_s": sync, "sync_save_fsync_s": durable,
-        "async_blocked_s": blocked, "async_save_call_s": save_call, "async_fence_wait_s": fence_wait,
-        "async_background_s": background, "async_steps_during_write": [len(t) for t in writer_steps],
-        "async_extra_step_time_s": extra, "threads": torch.get_num_threads(),
+        "parameters": parameters,
+        "state_bytes": state_bytes,
+        "reps": args.reps,
+        "plain_step_s": base,
+        "sync_save_s": sync,
+        "sync_save_fsync_s": durable,
+        "async_blocked_s": blocked,
+        "async_save_call_s": save_call,
+        "async_fence_wait_s": fence_wait,
+        "async_background_s": background,
+        "async_steps_during_write": [len(t) for t in writer_steps],
+        "async_extra_step_time_s": extra,
+        "threads": torch.get_num_threads(),
     }
     text = json.dumps(result, indent=1)
     if args.json:

@@ -3,7 +3,10 @@
 import os
 import shlex
 
+# Jinja fills this in; the formatter would squeeze the spaces out of the braces.
+# fmt: off
 NPROC = {{ cookiecutter.nproc_per_node | int }}
+# fmt: on
 
 print(
     f"Created {os.getcwd()}\n"

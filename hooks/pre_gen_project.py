@@ -8,6 +8,8 @@ import keyword
 import re
 import sys
 
+# Jinja fills these in; the formatter would squeeze the spaces out of the braces.
+# fmt: off
 ANSWERS = {
     "project_name": {{ cookiecutter.project_name | py_str }},
     "project_slug": {{ cookiecutter.project_slug | py_str }},
@@ -19,19 +21,65 @@ ANSWERS = {
     "wandb_project": {{ cookiecutter.wandb_project | py_str }},
     "debug_port": {{ cookiecutter.debug_port | py_str }},
 }
+# fmt: on
 
 # Top-level names the baked project imports, directly or through its dependencies, or that already sit in
 # its root folder. A package with one of these names would shadow the real module for train.py and tests.
 TAKEN_NAMES = {
-    "torch", "torchvision", "torchaudio", "triton", "numpy", "tqdm", "debugpy", "wandb", "pytest", "_pytest",
-    "cookiecutter", "setuptools", "pkg_resources", "pip", "wheel", "jinja2", "markupsafe", "filelock", "fsspec",
-    "networkx", "sympy", "mpmath", "typing_extensions", "requests", "urllib3", "certifi", "idna",
-    "charset_normalizer", "click", "pydantic", "pydantic_core", "yaml", "sentry_sdk", "platformdirs", "google",
-    "psutil", "git", "gitdb", "smmap", "setproctitle", "packaging", "annotated_types", "typing_inspection",
-    "pluggy", "iniconfig", "nvidia", "train", "tests", "scripts", "snapshots", "logs",
+    "torch",
+    "torchvision",
+    "torchaudio",
+    "triton",
+    "numpy",
+    "tqdm",
+    "debugpy",
+    "wandb",
+    "pytest",
+    "_pytest",
+    "cookiecutter",
+    "setuptools",
+    "pkg_resources",
+    "pip",
+    "wheel",
+    "jinja2",
+    "markupsafe",
+    "filelock",
+    "fsspec",
+    "networkx",
+    "sympy",
+    "mpmath",
+    "typing_extensions",
+    "requests",
+    "urllib3",
+    "certifi",
+    "idna",
+    "charset_normalizer",
+    "click",
+    "pydantic",
+    "pydantic_core",
+    "yaml",
+    "sentry_sdk",
+    "platformdirs",
+    "google",
+    "psutil",
+    "git",
+    "gitdb",
+    "smmap",
+    "setproctitle",
+    "packaging",
+    "annotated_types",
+    "typing_inspection",
+    "pluggy",
+    "iniconfig",
+    "nvidia",
+    "train",
+    "tests",
+    "scripts",
+    "snapshots",
+    "logs",
 }
 UNWANTED_IN_TEXT = {"\n": "a line break", "\r": "a carriage return", "\x00": "a NUL character"}
-WANDB_FORBIDDEN = set('/\\#?%:')
+WANDB_FORBIDDEN = set("/\\#?%:")
 
 
 def check_slug(slug):
@@ -43,7 +91,9 @@ def check_slug(slug):
     if slug != slug.lower():
         return f"has upper-case letters; allowed: {allowed}"
     if slug in sys.stdlib_module_names or slug in TAKEN_NAMES:
-        return f"shadows the module {slug!r} that the project imports or contains; allowed: {allowed}, not a module name"
+        return (
+            f"shadows the module {slug!r} that the project imports or contains; allowed: {allowed}, not a module name"
+        )
     return None
 
 
@@ -73,7 +123,10 @@ def problems(answers):
 
     port = check_int(answers["debug_port"].strip())
     if port is None:
-        yield "debug_port", "is not an integer; allowed: an integer port with 1024 <= port and port + nproc_per_node - 1 <= 65535"
+        yield (
+            "debug_port",
+            "is not an integer; allowed: an integer port with 1024 <= port and port + nproc_per_node - 1 <= 65535",
+        )
     elif port < 1024 or (nproc is not None and port + nproc - 1 > 65535):
         top = 65535 - (nproc or 1) + 1
         yield "debug_port", f"is out of range; allowed: 1024 <= debug_port <= {top} (ranks use debug_port + local rank)"
@@ -84,7 +137,10 @@ def problems(answers):
 
     project = answers["wandb_project"]
     if not project or len(project) > 128 or WANDB_FORBIDDEN & set(project) or not project.isprintable():
-        yield "wandb_project", "is not a valid wandb project name; allowed: 1 to 128 printable characters without / \\ # ? % :"
+        yield (
+            "wandb_project",
+            "is not a valid wandb project name; allowed: 1 to 128 printable characters without / \\ # ? % :",
+        )
 
 
 def main():

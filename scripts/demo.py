@@ -28,21 +28,27 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dir", default=os.environ.get("DEMO_DIR"), help="scratch folder (default: a new temp folder)")
-    parser.add_argument("--kill-at-step", type=int, default=150, help="kill a rank once this step is logged; 0 = no kill")
+    parser.add_argument(
+        "--kill-at-step", type=int, default=150, help="kill a rank once this step is logged; 0 = no kill"
+    )
     parser.add_argument("--rank", type=int, default=None, help="the rank to kill (default: 0 or 1 at random)")
     args = parser.parse_args()
 
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="ddp-demo-")).resolve()
     scratch.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "cookiecutter", "--no-input", "--overwrite-if-exists", str(ROOT), "-o",
-                    str(scratch)], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "cookiecutter", "--no-input", "--overwrite-if-exists", str(ROOT), "-o", str(scratch)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     project = scratch / "ddp_project"
     print(f"Baked the template into {project}\n", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"}
     victim = random.choice([0, 1]) if args.rank is None else args.rank
 
-    print("$ torchrun --standalone --nproc_per_node=2 --max-restarts=3 train.py --log-every 25 --resume never",
-          flush=True)
+    print(
+        "$ torchrun --standalone --nproc_per_node=2 --max-restarts=3 train.py --log-every 25 --resume never", flush=True
+    )
     command = TORCHRUN + ["train.py", "--log-every", "25", "--resume", "never"]
     agent = subprocess.Popen(command, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killed_at, killed_time, last_logged, resumed_after, started = None, None, 0, None, time.monotonic()
@@ -59,21 +65,42 @@ def main() -> int:
             if pid:
                 os.kill(pid, signal.SIGKILL)
                 killed_at, killed_time = last_logged, time.monotonic()
-                print(f"\n>>> demo: killed rank {victim} (pid {pid}) with SIGKILL after step {last_logged}; torchrun "
-                      "restarts the workers and they resume from the newest snapshot\n", flush=True)
+                print(
+                    f"\n>>> demo: killed rank {victim} (pid {pid}) with SIGKILL after step {last_logged}; torchrun "
+                    "restarts the workers and they resume from the newest snapshot\n",
+                    flush=True,
+                )
     code = agent.wait()
     wall = time.monotonic() - started
     summary = _read_json(project / "export" / "summary.json")
 
     print("\nThe same job once more, uninterrupted, to compare the final weights...", flush=True)
-    reference = TORCHRUN + ["train.py", "--resume", "never", "--snapshot-dir", "snapshots-uninterrupted",
-                            "--export-dir", "export-uninterrupted", "--metrics-file", "logs/metrics-uninterrupted.jsonl",
-                            "--log-file", "logs/uninterrupted.log", "--wandb", "disabled"]
-    reference_code = subprocess.run(reference, cwd=project, env=env, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL).returncode
+    reference = TORCHRUN + [
+        "train.py",
+        "--resume",
+        "never",
+        "--snapshot-dir",
+        "snapshots-uninterrupted",
+        "--export-dir",
+        "export-uninterrupted",
+        "--metrics-file",
+        "logs/metrics-uninterrupted.jsonl",
+        "--log-file",
+        "logs/uninterrupted.log",
+        "--wandb",
+        "disabled",
+    ]
+    reference_code = subprocess.run(
+        reference, cwd=project, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    ).returncode
     equal = _same_weights(project / "export" / "model.pt", project / "export-uninterrupted" / "model.pt")
-    plot = subprocess.run([sys.executable, "-m", "ddp_project.plot", "--out", "logs/loss.png"], cwd=project, env=env,
-                          capture_output=True, text=True)
+    plot = subprocess.run(
+        [sys.executable, "-m", "ddp_project.plot", "--out", "logs/loss.png"],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
 
     print("\nDemo summary")
     print(f"  exit code          {code}")
@@ -82,15 +109,19 @@ def main() -> int:
         print(f"  optimizer steps    {summary['steps']}")
         print(f"  loss               {summary['first_loss']:.4f} (first logged) -> {summary['last_loss']:.4f} (last)")
         if summary.get("val_loss") is not None:
-            print(f"  val_loss           {summary['val_loss']:.4f} (best {summary['best_val_loss']:.4f} at step "
-                  f"{summary['best_step']})")
+            print(
+                f"  val_loss           {summary['val_loss']:.4f} (best {summary['best_val_loss']:.4f} at step "
+                f"{summary['best_step']})"
+            )
     if killed_at is not None:
         print(f"  killed             rank {victim} with SIGKILL, after step {killed_at} was logged")
         resumed_from = summary["resumed_from"] if summary else None
         if resumed_from is not None and resumed_from >= 0:
-            print(f"  resumed            from the snapshot of step {resumed_from}"
-                  + (f", {resumed_after:.1f} s after the kill" if resumed_after is not None else "")
-                  + f"; steps {resumed_from + 1}-{killed_at} (at least) were trained again")
+            print(
+                f"  resumed            from the snapshot of step {resumed_from}"
+                + (f", {resumed_after:.1f} s after the kill" if resumed_after is not None else "")
+                + f"; steps {resumed_from + 1}-{killed_at} (at least) were trained again"
+            )
     else:
         print("  killed             nothing")
     if reference_code == 0 and equal is not None:

@@ -17,8 +17,9 @@ def check(*args, timeout=240, **env):
     """Run the script as a user would, with this environment's python for both halves."""
     variables = {k: v for k, v in os.environ.items() if not k.startswith(("DEBUG_", "WANDB_", "PYTEST_"))}
     variables.update({"PYTHON": sys.executable, **env})
-    return subprocess.run([str(SCRIPT), *map(str, args)], cwd=ROOT, env=variables, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [str(SCRIPT), *map(str, args)], cwd=ROOT, env=variables, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def table_rows(text):

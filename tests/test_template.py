@@ -4,24 +4,29 @@ import json
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 AWKWARD = {
     "project_name": 'Ünïcode "Quoted" O\'Brien \\ 🚀',
     "project_slug": "awkward_project",
     "description": 'Says "hi", it\'s got \\backslashes\\, tabs\tand emoji 🤖 — and {braces}',
-    "author": "Zoë O'Connor \"ZO\" \\",
+    "author": 'Zoë O\'Connor "ZO" \\',
 }
 # The quick part of a baked project's own suite, run for every variant; the whole suite runs once, on a bake whose
 # demo model and data were replaced by a user's own (test_own_model_and_data_pass_the_whole_suite).
-FAST_OWN_TESTS = ["tests/test_snapshot.py", "tests/test_sbatch.py", "tests/test_config.py::test_help_lists_every_contract_flag"]
+FAST_OWN_TESTS = [
+    "tests/test_snapshot.py",
+    "tests/test_sbatch.py",
+    "tests/test_config.py::test_help_lists_every_contract_flag",
+]
 OWN_MODEL = ROOT / "tests" / "own_model"
 DEMO_BLOCK = re.compile(
-    r"^[ \t]*# --- demo settings: delete them with the demo model and data ---\n.*?^[ \t]*# --- end of demo settings ---\n",
+    r"^[ \t]*# --- demo settings: delete them with the demo model and data ---\n"
+    r".*?^[ \t]*# --- end of demo settings ---\n",
     re.M | re.S,
 )
 
@@ -35,9 +40,43 @@ def bake(tmp_path, **answers):
     return project
 
 
+UNRENDERED = re.compile(r"\{\{ ?cookiecutter\.|\{%|\{#")
+
+
+def assert_fully_rendered(project):
+    """No Jinja left in any baked file: an unrendered variable names the file and line."""
+    leftovers = []
+    for path in sorted(p for p in project.rglob("*") if p.is_file()):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue  # binary files are copied, never rendered
+        for number, line in enumerate(text.splitlines(), 1):
+            if UNRENDERED.search(line):
+                leftovers.append(f"{path.relative_to(project)}:{number}: {line.strip()}")
+    assert not leftovers, "unrendered template syntax:\n" + "\n".join(leftovers)
+
+
+def assert_lint_clean(project):
+    """The bake passes its own ruff settings, lint and format, as a user's first `ruff check` would see it."""
+    run_in(project, "-m", "ruff", "check", "--no-cache", ".")
+    run_in(project, "-m", "ruff", "format", "--no-cache", "--check", ".")
+
+
+def assert_clean_bake(project):
+    assert_fully_rendered(project)
+    assert_lint_clean(project)
+
+
 def run_in(project, *args, check=True, timeout=300, **env):
-    result = subprocess.run([sys.executable, *args], cwd=project, capture_output=True, text=True, timeout=timeout,
-                            env={**_clean_env(), **env})
+    result = subprocess.run(
+        [sys.executable, *args],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**_clean_env(), **env},
+    )
     if check:
         assert result.returncode == 0, f"{args} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result
@@ -87,9 +126,16 @@ def swap_in_own_model(project):
 
 def test_defaults_bake_a_project_that_passes_the_quick_part_of_its_tests(tmp_path):
     project = bake(tmp_path)
+    assert_clean_bake(project)
     assert project.name == "ddp_project"
-    for name in ["train.py", "pyproject.toml", "README.md", ".vscode/launch.json", "ddp_project/snapshot.py",
-                 "tests/conftest.py"]:
+    for name in [
+        "train.py",
+        "pyproject.toml",
+        "README.md",
+        ".vscode/launch.json",
+        "ddp_project/snapshot.py",
+        "tests/conftest.py",
+    ]:
         assert (project / name).is_file(), name
     assert list((project / "scripts").glob("*.sbatch"))
     run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FAST_OWN_TESTS)
@@ -110,12 +156,14 @@ def test_own_model_and_data_pass_the_whole_suite(tmp_path):
 
 def test_slug_is_derived_from_the_name(tmp_path):
     project = bake(tmp_path, project_name="My Cool-Project")
+    assert_clean_bake(project)
     assert project.name == "my_cool_project"
     assert (project / "my_cool_project" / "trainer.py").is_file()
 
 
 def test_awkward_text_bakes_into_valid_python_toml_and_json(tmp_path):
     project = bake(tmp_path, **AWKWARD)
+    assert_clean_bake(project)
     run_in(project, "-m", "compileall", "-q", ".")
     meta = tomllib.loads((project / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     assert meta["description"] == AWKWARD["description"]
@@ -134,9 +182,12 @@ def test_awkward_text_bakes_into_valid_python_toml_and_json(tmp_path):
 
 def test_use_wandb_no_leaves_wandb_out(tmp_path):
     project = bake(tmp_path, use_wandb="no")
+    assert_clean_bake(project)
     assert "wandb" not in tomllib.loads((project / "pyproject.toml").read_text())["project"]["dependencies"]
-    probe = ("import sys, train; train.main(['--max-steps', '3', '--dataset-size', '512']); "
-             "print('wandb imported:', 'wandb' in sys.modules)")
+    probe = (
+        "import sys, train; train.main(['--max-steps', '3', '--dataset-size', '512']); "
+        "print('wandb imported:', 'wandb' in sys.modules)"
+    )
     result = run_in(project, "-c", probe)
     assert "wandb imported: False" in result.stdout
     assert not (project / "wandb").exists()
@@ -145,7 +196,11 @@ def test_use_wandb_no_leaves_wandb_out(tmp_path):
 
 def test_use_wandb_yes_defaults_to_offline_without_an_api_key(tmp_path):
     project = bake(tmp_path, use_wandb="yes")
-    assert any(d.startswith("wandb") for d in tomllib.loads((project / "pyproject.toml").read_text())["project"]["dependencies"])
+    assert_clean_bake(project)
+    assert any(
+        d.startswith("wandb")
+        for d in tomllib.loads((project / "pyproject.toml").read_text())["project"]["dependencies"]
+    )
     probe = "from ddp_project import config; print(config.parse_args([]).wandb)"
     assert run_in(project, "-c", probe, HOME=str(tmp_path)).stdout.strip() == "offline"
 
@@ -153,10 +208,14 @@ def test_use_wandb_yes_defaults_to_offline_without_an_api_key(tmp_path):
 @pytest.mark.parametrize("backend", ["auto", "gloo", "nccl"])
 def test_backend_choice_is_the_default_and_can_be_overridden(tmp_path, backend):
     project = bake(tmp_path, backend=backend)
+    assert_clean_bake(project)
     assert f"(default: {backend})" in " ".join(run_in(project, "train.py", "--help").stdout.split())
     args = ["train.py", "--max-steps", "2", "--dataset-size", "512", "--wandb", "disabled"]
     result = run_in(project, *args, check=False)
-    if backend == "nccl" and "cuda" not in run_in(project, "-c", "import torch; print(torch.cuda.is_available() and 'cuda')").stdout:
+    if (
+        backend == "nccl"
+        and "cuda" not in run_in(project, "-c", "import torch; print(torch.cuda.is_available() and 'cuda')").stdout
+    ):
         assert result.returncode != 0 and "--backend nccl needs CUDA GPUs" in result.stderr
         run_in(project, *args, "--backend", "gloo")
     else:
@@ -165,6 +224,7 @@ def test_backend_choice_is_the_default_and_can_be_overridden(tmp_path, backend):
 
 def test_nproc_and_debug_port_reach_every_place_that_uses_them(tmp_path):
     project = bake(tmp_path, nproc_per_node="4", debug_port="6000")
+    assert_clean_bake(project)
     launch = json.loads(strip_jsonc((project / ".vscode" / "launch.json").read_text()))
     f5 = next(c for c in launch["configurations"] if c.get("module") == "torch.distributed.run")
     assert "--nproc_per_node=4" in f5["args"]
@@ -223,3 +283,9 @@ def test_template_vscode_configurations_parse_and_name_existing_tasks():
         assert config.get("preLaunchTask", next(iter(labels))) in labels, config["name"]
         program = config.get("program", "").replace("${workspaceFolder}", str(ROOT))
         assert not program or Path(program).is_file(), program
+
+
+def test_template_python_is_lint_clean():
+    """The template's own tests, scripts, benchmarks, hooks and filters pass ruff with the root ruff.toml."""
+    run_in(ROOT, "-m", "ruff", "check", "--no-cache", ".")
+    run_in(ROOT, "-m", "ruff", "format", "--no-cache", "--check", ".")

@@ -32,8 +32,11 @@ def main(argv: list[str] | None = None) -> trainer.Summary:
         joblock.exit_with_parent()  # a worker whose torchrun agent died stops too, instead of training on alone
     stopped = trainer.stopped_by_signal(cfg)
     if stopped:  # torchrun restarting a job that a signal stopped: stay stopped, with the same exit code
-        log.log(logging.WARNING if env.is_main else logging.DEBUG, "this job was stopped by signal %d: not "
-                "restarting it; run the same command again to resume", stopped)
+        log.log(
+            logging.WARNING if env.is_main else logging.DEBUG,
+            "this job was stopped by signal %d: not restarting it; run the same command again to resume",
+            stopped,
+        )
         sys.exit(128 + stopped)
     finished = False
     try:

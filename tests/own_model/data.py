@@ -27,6 +27,6 @@ def build_datasets(cfg) -> tuple[Blobs, Blobs]:
     images = 0.5 * torch.randn(count, 1, 12, 12, generator=generator)
     for index, label in enumerate(labels.tolist()):
         row, col = divmod(label, 2)
-        images[index, 0, row * 6 + 1:row * 6 + 5, col * 6 + 1:col * 6 + 5] += 1.0
+        images[index, 0, row * 6 + 1 : row * 6 + 5, col * 6 + 1 : col * 6 + 5] += 1.0
     split = int(0.8 * count)
     return Blobs(images[:split], labels[:split]), Blobs(images[split:], labels[split:])

@@ -9,8 +9,14 @@ class SmallCNN(nn.Module):
     def __init__(self, channels: int, classes: int):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(channels, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+            nn.Conv2d(channels, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
         )
         self.head = nn.Linear(16, classes)
 
@@ -28,4 +34,7 @@ def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def val_metrics(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {"accuracy": (outputs.argmax(dim=1) == targets).sum(), "top2": (outputs.topk(2).indices == targets[:, None]).any(1).sum()}
+    return {
+        "accuracy": (outputs.argmax(dim=1) == targets).sum(),
+        "top2": (outputs.topk(2).indices == targets[:, None]).any(1).sum(),
+    }

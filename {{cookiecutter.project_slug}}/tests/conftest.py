@@ -21,7 +21,15 @@ QUICK = ["--wandb", "disabled", "--log-every", "5"]
 
 def child_env(**extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DEBUG_", "WANDB_", "TORCHELASTIC_"))}
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DEBUGPY_RUNNING"):
+    for key in (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "DEBUGPY_RUNNING",
+    ):
         env.pop(key, None)
     env.update({"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)})
     env.update({k: str(v) for k, v in extra.items()})
@@ -32,14 +40,29 @@ def train_cmd(nproc=None, torchrun_args=(), script="train.py"):
     """`python train.py` when nproc is None, else torchrun --standalone with nproc ranks."""
     if nproc is None:
         return [sys.executable, str(ROOT / script)]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            *torchrun_args, str(ROOT / script)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *torchrun_args,
+        str(ROOT / script),
+    ]
 
 
 def outputs(tmp_path, name="run"):
     """Every file a run writes, under tmp_path: snapshots, log, exported weights and summary, metrics."""
-    return ["--snapshot-dir", str(tmp_path / f"{name}-snapshots"), "--log-file", str(tmp_path / f"{name}.log"),
-            "--export-dir", str(tmp_path / f"{name}-export"), "--metrics-file", str(tmp_path / f"{name}-metrics.jsonl")]
+    return [
+        "--snapshot-dir",
+        str(tmp_path / f"{name}-snapshots"),
+        "--log-file",
+        str(tmp_path / f"{name}.log"),
+        "--export-dir",
+        str(tmp_path / f"{name}-export"),
+        "--metrics-file",
+        str(tmp_path / f"{name}-metrics.jsonl"),
+    ]
 
 
 def summary(tmp_path, name="run"):
@@ -71,16 +94,30 @@ def default_datasets():
 
 def run(cmd, env=None, timeout=300, cwd=None, check=True):
     """Run to the end; return the CompletedProcess with stdout and stderr merged into .stdout."""
-    result = subprocess.run(cmd, env=env or child_env(), cwd=cwd or ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    result = subprocess.run(
+        cmd,
+        env=env or child_env(),
+        cwd=cwd or ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
     if check and result.returncode != 0:
         pytest.fail(f"{' '.join(map(str, cmd))} exited {result.returncode}:\n{result.stdout[-6000:]}")
     return result
 
 
 def start(cmd, env=None, cwd=None):
-    return subprocess.Popen(cmd, env=env or child_env(), cwd=cwd or ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        env=env or child_env(),
+        cwd=cwd or ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def finish(proc, timeout=300):

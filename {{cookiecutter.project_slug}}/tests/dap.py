@@ -156,8 +156,14 @@ class Session:
             body, success, error = handler(request.get("arguments", {})), True, None
         except Exception as exc:
             body, success, error = {}, False, str(exc)
-        response = {"seq": next(self._seq), "type": "response", "request_seq": request["seq"], "success": success,
-                    "command": request["command"], "body": body}
+        response = {
+            "seq": next(self._seq),
+            "type": "response",
+            "request_seq": request["seq"],
+            "success": success,
+            "command": request["command"],
+            "body": body,
+        }
         if error:
             response["message"] = error
         self._send(response)
@@ -167,8 +173,14 @@ class Session:
         env = dict(self.terminal_env or os.environ)
         env.update({k: v for k, v in (arguments.get("env") or {}).items() if v is not None})
         out = open(self.terminal_log, "ab") if self.terminal_log else subprocess.DEVNULL
-        proc = subprocess.Popen(arguments["args"], cwd=arguments.get("cwd"), env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            arguments["args"],
+            cwd=arguments.get("cwd"),
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.terminals.append(proc)
         return {"processId": proc.pid}
 
@@ -215,7 +227,9 @@ class Session:
             self._changed.wait_for(ready, timeout)
             if not found:
                 seen = [message["event"] for message in self._events]
-                raise DAPError(f"{self.name}: no {event!r} event within {timeout} s (closed: {self.closed}; seen {seen})")
+                raise DAPError(
+                    f"{self.name}: no {event!r} event within {timeout} s (closed: {self.closed}; seen {seen})"
+                )
         return found[0]
 
     def events(self, event):
@@ -226,10 +240,19 @@ class Session:
 
     def start(self, command, configuration, breakpoints, timeout=TIMEOUT):
         """initialize, launch or attach, breakpoints, configurationDone: the order VSCode uses."""
-        self.request("initialize", clientID="vscode", clientName="Visual Studio Code", adapterID="debugpy",
-                     pathFormat="path", linesStartAt1=True, columnsStartAt1=True, supportsVariableType=True,
-                     supportsRunInTerminalRequest=True, supportsStartDebuggingRequest=self.start_debugging,
-                     locale="en")
+        self.request(
+            "initialize",
+            clientID="vscode",
+            clientName="Visual Studio Code",
+            adapterID="debugpy",
+            pathFormat="path",
+            linesStartAt1=True,
+            columnsStartAt1=True,
+            supportsVariableType=True,
+            supportsRunInTerminalRequest=True,
+            supportsStartDebuggingRequest=self.start_debugging,
+            locale="en",
+        )
         start = self.send(command, **configuration)  # answered only after configurationDone
         self.wait_event("initialized", timeout=timeout)
         for path, lines in breakpoints.items():
@@ -239,9 +262,11 @@ class Session:
         return self.response(start, timeout)
 
     def set_breakpoints(self, path, lines, condition=None):
-        body = self.request("setBreakpoints", source={"path": str(path)},
-                            breakpoints=[{"line": line, **({"condition": condition} if condition else {})}
-                                         for line in lines])
+        body = self.request(
+            "setBreakpoints",
+            source={"path": str(path)},
+            breakpoints=[{"line": line, **({"condition": condition} if condition else {})} for line in lines],
+        )
         return body["breakpoints"]
 
     def stopped_frame(self, timeout=TIMEOUT):

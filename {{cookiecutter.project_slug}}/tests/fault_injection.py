@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import train  # noqa: E402
-from {{ cookiecutter.project_slug }} import snapshot, trainer  # noqa: E402
+import train
+from {{ cookiecutter.project_slug }} import snapshot, trainer
 
 FAULT = os.environ.get("FAULT", "")
 RANK = int(os.environ.get("RANK", 0))

@@ -2,12 +2,29 @@
 
 import pytest
 import torch
-
 from conftest import QUICK, default_datasets, metrics, outputs, run, train_cmd
 
-CONTRACT_FLAGS = ["--epochs", "--batch-size", "--lr", "--seed", "--max-steps", "--snapshot-dir", "--snapshot-every",
-                  "--keep-snapshots", "--amp", "--grad-accum", "--wandb", "--log-file", "--eval-every", "--resume",
-                  "--clip-grad", "--compile", "--no-compile", "--metrics-file", "--export-dir"]
+CONTRACT_FLAGS = [
+    "--epochs",
+    "--batch-size",
+    "--lr",
+    "--seed",
+    "--max-steps",
+    "--snapshot-dir",
+    "--snapshot-every",
+    "--keep-snapshots",
+    "--amp",
+    "--grad-accum",
+    "--wandb",
+    "--log-file",
+    "--eval-every",
+    "--resume",
+    "--clip-grad",
+    "--compile",
+    "--no-compile",
+    "--metrics-file",
+    "--export-dir",
+]
 
 
 def test_help_lists_every_contract_flag():
@@ -17,13 +34,16 @@ def test_help_lists_every_contract_flag():
     assert "{off,bf16,fp16}" in result.stdout and "{online,offline,disabled}" in result.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--keep-snapshots", "1"], "--keep-snapshots must be >= 2"),
-    (["--batch-size", "0"], "--batch-size must be >= 1"),
-    (["--amp", "fp8"], "invalid choice: 'fp8'"),
-    (["--lr", "abc"], "invalid float value: 'abc'"),
-    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--keep-snapshots", "1"], "--keep-snapshots must be >= 2"),
+        (["--batch-size", "0"], "--batch-size must be >= 1"),
+        (["--amp", "fp8"], "invalid choice: 'fp8'"),
+        (["--lr", "abc"], "invalid float value: 'abc'"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
 def test_bad_values_are_refused_before_training(tmp_path, args, message):
     result = run(train_cmd() + args + outputs(tmp_path), check=False)
     assert result.returncode == 2

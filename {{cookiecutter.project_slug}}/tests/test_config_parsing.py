@@ -7,16 +7,14 @@ import importlib.util
 import math
 import sys
 from dataclasses import dataclass
-from typing import Optional
 
 import pytest
-
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
 
-from {{ cookiecutter.project_slug }} import config  # noqa: E402
-from {{ cookiecutter.project_slug }}.config import option  # noqa: E402
+from {{ cookiecutter.project_slug }} import config
+from {{ cookiecutter.project_slug }}.config import option
 
 DEMO_START = "# --- demo settings: delete them with the demo model and data ---"
 DEMO_END = "# --- end of demo settings ---"
@@ -27,7 +25,7 @@ class Extra:
     """A config of the user's own, with the types and constraints Config does not happen to use."""
 
     steps: int | None = option(None, "optional integer, at least 1", min=1)
-    label: Optional[str] = option("base", "optional string")
+    label: str | None = option("base", "optional string")
     ratio: float = option(0.5, "strictly between 0 and 1", above=0, below=1)
     limit: float = option(math.inf, "any float, infinity included", finite=False)
     mode: str | None = option(None, "optional choice", choices=("a", "b"))
@@ -100,39 +98,53 @@ def test_unsupported_field_types_are_refused_when_the_parser_is_built():
         config.build_parser(Lists)
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (["--epochs", "0"], "--epochs"),
-    (["--max-steps", "-1"], "--max-steps"),
-    (["--lr", "0"], "--lr"),
-    (["--lr", "-1"], "--lr"),
-    (["--lr", "11"], "--lr"),
-    (["--lr", "nan"], "--lr"),
-    (["--lr", "inf"], "--lr"),
-    (["--lr", "1e309"], "--lr"),
-    (["--weight-decay", "nan"], "--weight-decay"),
-    (["--weight-decay", "1.5"], "--weight-decay"),
-    (["--clip-grad", "-0.5"], "--clip-grad"),
-    (["--clip-grad", "inf"], "--clip-grad"),  # no upper bound: only the finiteness rule stops these
-    (["--clip-grad", "1e309"], "--clip-grad"),
-    (["--clip-grad", "nan"], "--clip-grad"),
-    (["--seed", "-1"], "--seed"),
-    (["--seed", str(2**32)], "--seed"),
-    (["--keep-snapshots", "1"], "--keep-snapshots"),
-    (["--snapshot-dir", ""], "--snapshot-dir"),
-    (["--resume", "sometimes"], "--resume"),
-    (["--dist-timeout", "0"], "--dist-timeout"),
-    (["--dist-timeout", str(8 * 24 * 3600)], "--dist-timeout"),
-    (["--eval-every", "-1"], "--eval-every"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--epochs", "0"], "--epochs"),
+        (["--max-steps", "-1"], "--max-steps"),
+        (["--lr", "0"], "--lr"),
+        (["--lr", "-1"], "--lr"),
+        (["--lr", "11"], "--lr"),
+        (["--lr", "nan"], "--lr"),
+        (["--lr", "inf"], "--lr"),
+        (["--lr", "1e309"], "--lr"),
+        (["--weight-decay", "nan"], "--weight-decay"),
+        (["--weight-decay", "1.5"], "--weight-decay"),
+        (["--clip-grad", "-0.5"], "--clip-grad"),
+        (["--clip-grad", "inf"], "--clip-grad"),  # no upper bound: only the finiteness rule stops these
+        (["--clip-grad", "1e309"], "--clip-grad"),
+        (["--clip-grad", "nan"], "--clip-grad"),
+        (["--seed", "-1"], "--seed"),
+        (["--seed", str(2**32)], "--seed"),
+        (["--keep-snapshots", "1"], "--keep-snapshots"),
+        (["--snapshot-dir", ""], "--snapshot-dir"),
+        (["--resume", "sometimes"], "--resume"),
+        (["--dist-timeout", "0"], "--dist-timeout"),
+        (["--dist-timeout", str(8 * 24 * 3600)], "--dist-timeout"),
+        (["--eval-every", "-1"], "--eval-every"),
+    ],
+)
 def test_values_outside_a_fields_constraints_are_refused(capsys, argv, flag):
     assert flag in refused(argv, capsys)
 
 
-@pytest.mark.parametrize("argv", [
-    ["--seed", "0"], ["--seed", str(2**32 - 1)], ["--keep-snapshots", "2"], ["--lr", "10"], ["--lr", "1e-12"],
-    ["--max-steps", "0"], ["--clip-grad", "0"], ["--weight-decay", "1"], ["--eval-every", "0"],
-    ["--resume", "never"], ["--dist-timeout", str(7 * 24 * 3600)],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--seed", "0"],
+        ["--seed", str(2**32 - 1)],
+        ["--keep-snapshots", "2"],
+        ["--lr", "10"],
+        ["--lr", "1e-12"],
+        ["--max-steps", "0"],
+        ["--clip-grad", "0"],
+        ["--weight-decay", "1"],
+        ["--eval-every", "0"],
+        ["--resume", "never"],
+        ["--dist-timeout", str(7 * 24 * 3600)],
+    ],
+)
 def test_values_on_a_bound_that_allows_them_are_accepted(argv):
     cfg = config.parse_args(argv)
     value = getattr(cfg, argv[0][2:].replace("-", "_"))
@@ -151,8 +163,9 @@ def test_exclusive_bounds_and_the_finite_opt_out(capsys):
 
 
 def test_config_file_with_command_line_overrides(tmp_path):
-    path = write(tmp_path, 'batch_size = 64\nlr = 1\n"snapshot-dir" = "from-file"\ncompile = true\namp = "bf16"\n'
-                           'seed = 7\n')
+    path = write(
+        tmp_path, 'batch_size = 64\nlr = 1\n"snapshot-dir" = "from-file"\ncompile = true\namp = "bf16"\nseed = 7\n'
+    )
     cfg = config.parse_args(["--config", path, "--batch-size", "8", "--no-compile"])
     assert (cfg.batch_size, cfg.compile) == (8, False)  # the command line wins
     assert (cfg.lr, cfg.snapshot_dir, cfg.amp, cfg.seed) == (1.0, "from-file", "bf16", 7)  # the file beats defaults
@@ -166,20 +179,23 @@ def test_config_file_optional_values(tmp_path):
     assert (cfg.steps, cfg.label, cfg.mode) == (4, None, "a")
 
 
-@pytest.mark.parametrize("text, names", [
-    ("batch_sise = 4\n", ["batch_sise"]),  # unknown key
-    ('epochs = "3"\n', ["epochs"]),  # a string for an integer
-    ("epochs = true\n", ["epochs"]),  # a boolean is not an integer in TOML
-    ("lr = 0.5\nepochs = 2.0\n", ["epochs"]),  # a float for an integer
-    ('compile = "yes"\n', ["compile"]),
-    ("lr = -1.0\n", ["--lr", "lr"]),  # the file's values meet the same constraints as flags
-    ("lr = nan\n", ["--lr", "lr"]),
-    ('amp = "fp8"\n', ["--amp", "amp"]),
-    ('snapshot_dir = ""\n', ["--snapshot-dir"]),
-    ("batch_size = 4\nbatch-size = 5\n", ["batch_size"]),  # the same setting twice
-    ("[optimizer]\nlr = 0.1\n", ["optimizer"]),  # tables are not settings
-    ("epochs = \n", []),  # not TOML
-])
+@pytest.mark.parametrize(
+    "text, names",
+    [
+        ("batch_sise = 4\n", ["batch_sise"]),  # unknown key
+        ('epochs = "3"\n', ["epochs"]),  # a string for an integer
+        ("epochs = true\n", ["epochs"]),  # a boolean is not an integer in TOML
+        ("lr = 0.5\nepochs = 2.0\n", ["epochs"]),  # a float for an integer
+        ('compile = "yes"\n', ["compile"]),
+        ("lr = -1.0\n", ["--lr", "lr"]),  # the file's values meet the same constraints as flags
+        ("lr = nan\n", ["--lr", "lr"]),
+        ('amp = "fp8"\n', ["--amp", "amp"]),
+        ('snapshot_dir = ""\n', ["--snapshot-dir"]),
+        ("batch_size = 4\nbatch-size = 5\n", ["batch_size"]),  # the same setting twice
+        ("[optimizer]\nlr = 0.1\n", ["optimizer"]),  # tables are not settings
+        ("epochs = \n", []),  # not TOML
+    ],
+)
 def test_bad_config_files_are_refused_naming_the_key_and_the_file(tmp_path, capsys, text, names):
     path = write(tmp_path, text)
     error = refused(["--config", path], capsys)
@@ -202,7 +218,11 @@ def test_to_toml_reads_back_to_the_same_config(tmp_path):
     tricky = 'a "quoted" \\ back\\slash, tab\t, newline\n, del\x7f, unicode é 😀, {rank} %s'
     cfg = dataclasses.replace(
         config.parse_args(["--compile", "--amp", "fp16", "--seed", str(2**32 - 1)]),
-        log_file=tricky, wandb_project="ünïcode'project", metrics_file="", lr=0.1 + 0.2, dist_timeout=1e-3,
+        log_file=tricky,
+        wandb_project="ünïcode'project",
+        metrics_file="",
+        lr=0.1 + 0.2,
+        dist_timeout=1e-3,
         weight_decay=5e-324,  # the smallest subnormal float
     )
     path = write(tmp_path, config.to_toml(cfg))
@@ -226,7 +246,7 @@ def test_deleting_the_demo_block_leaves_a_working_config(tmp_path, monkeypatch):
     if not starts and not ends:
         pytest.skip("config.py has no demo settings any more")
     assert len(starts) == 1 and len(ends) == 1 and starts[0] < ends[0]
-    stripped_source = "".join(lines[:starts[0]] + lines[ends[0] + 1:])
+    stripped_source = "".join(lines[: starts[0]] + lines[ends[0] + 1 :])
 
     name = "{{ cookiecutter.project_slug }}.config_without_demo"
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))

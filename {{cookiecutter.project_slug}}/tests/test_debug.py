@@ -19,12 +19,24 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
-
 import dap
+import pytest
+from conftest import (
+    PACKAGE,
+    QUICK,
+    ROOT,
+    child_env,
+    final_model,
+    finish,
+    free_port,
+    outputs,
+    run,
+    start,
+    summary,
+    train_cmd,
+)
+
 from {{ cookiecutter.project_slug }} import baked, trainer
-from conftest import (PACKAGE, QUICK, ROOT, child_env, final_model, finish, free_port, outputs, run, start, summary,
-                      train_cmd)
 
 VSCODE = ROOT / ".vscode"
 WAITING = re.compile(r"^rank (\d+) waiting for debugger on (\S+):(\d+)$", re.M)
@@ -32,6 +44,7 @@ SHORT = QUICK + ["--max-steps", "10"]
 
 
 # VSCode's side: its files, their variables, its tasks.
+
 
 def load_jsonc(path):
     """Parse JSON with // and /* */ comments, as VSCode reads its settings files (strings left alone)."""
@@ -41,7 +54,7 @@ def load_jsonc(path):
             end = i + 1
             while text[end] != '"':
                 end += 2 if text[end] == "\\" else 1
-            out.append(text[i:end + 1])
+            out.append(text[i : end + 1])
             i = end + 1
         elif text.startswith("//", i):
             i = text.find("\n", i) if "\n" in text[i:] else len(text)
@@ -57,11 +70,21 @@ def vscode_variables(workspace):
     """The values VSCode gives its predefined variables, with train.py as the file open in the editor."""
     file = workspace / "train.py"
     return {
-        "workspaceFolder": str(workspace), "workspaceRoot": str(workspace),
-        "workspaceFolderBasename": workspace.name, "file": str(file), "fileBasename": file.name,
-        "fileBasenameNoExtension": file.stem, "fileExtname": file.suffix, "fileDirname": str(file.parent),
-        "fileWorkspaceFolder": str(workspace), "relativeFile": file.name, "relativeFileDirname": "",
-        "cwd": str(workspace), "userHome": os.path.expanduser("~"), "pathSeparator": os.sep, "lineNumber": "1",
+        "workspaceFolder": str(workspace),
+        "workspaceRoot": str(workspace),
+        "workspaceFolderBasename": workspace.name,
+        "file": str(file),
+        "fileBasename": file.name,
+        "fileBasenameNoExtension": file.stem,
+        "fileExtname": file.suffix,
+        "fileDirname": str(file.parent),
+        "fileWorkspaceFolder": str(workspace),
+        "relativeFile": file.name,
+        "relativeFileDirname": "",
+        "cwd": str(workspace),
+        "userHome": os.path.expanduser("~"),
+        "pathSeparator": os.sep,
+        "lineNumber": "1",
         "command:python.interpreterPath": sys.executable,  # the interpreter selected in VSCode
     }
 
@@ -162,14 +185,16 @@ def workspace_copy(tmp_path):
 
 # The job's side.
 
+
 class Job:
     """A run whose output goes to a file: a pipe could be held open by debugpy's adapter after the job ends."""
 
     def __init__(self, cmd, env, log, cwd=ROOT):
         self.log = log
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def output(self):
         return self.log.read_text(errors="replace")
@@ -183,8 +208,10 @@ class Job:
             if len(found) >= count:
                 return found[:count]
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"{len(found)} of {count} lines matching {pattern!r} (exit code {self.proc.poll()}):\n"
-                            f"{self.output()[-6000:]}")
+                pytest.fail(
+                    f"{len(found)} of {count} lines matching {pattern!r} (exit code {self.proc.poll()}):\n"
+                    f"{self.output()[-6000:]}"
+                )
             time.sleep(0.05)
 
     def finish(self, timeout=120):
@@ -228,6 +255,7 @@ def resume(session, source):
 
 # The configuration files.
 
+
 def test_vscode_files_parse_and_every_variable_resolves(tmp_path):
     ranks, base_port = baked_ranks()
     launch, tasks = launch_json(), tasks_json()
@@ -249,19 +277,26 @@ def test_vscode_files_parse_and_every_variable_resolves(tmp_path):
 
     f5 = configuration("torchrun (F5)")
     assert (f5["request"], f5["module"], f5.get("subProcess")) == ("launch", "torch.distributed.run", True)
-    assert f5["args"][:4] == ["--standalone", f"--nproc_per_node={len(ranks)}", "--max-restarts=0",
-                              "${workspaceFolder}/train.py"]
+    assert f5["args"][:4] == [
+        "--standalone",
+        f"--nproc_per_node={len(ranks)}",
+        "--max-restarts=0",
+        "${workspaceFolder}/train.py",
+    ]
 
     # "Attach to rank N" asks which rank and connects to that rank's port.
     attach_config = configuration("Attach to rank N")
     picks = {}
     for rank in ranks:
+
         def choose(spec, rank=rank):
             option = next(o for o in spec["options"] if re.search(rf"\brank {rank}\b", o["label"]))
             return option["value"]
+
         picks[rank] = resolve(attach_config, tmp_path, inputs, choose)["connect"]
     assert {rank: (c["host"], int(c["port"])) for rank, c in picks.items()} == {
-        rank: ("127.0.0.1", base_port + rank) for rank in ranks}
+        rank: ("127.0.0.1", base_port + rank) for rank in ranks
+    }
 
     # "Debug rank N": its task runs torchrun with DEBUG_RANK=N; it attaches to N's port once N says so.
     for rank in ranks:
@@ -271,8 +306,13 @@ def test_vscode_files_parse_and_every_variable_resolves(tmp_path):
         spec = task(config["preLaunchTask"])
         assert spec["isBackground"] and spec["options"]["env"]["DEBUG_RANK"] == str(rank)
         assert spec["options"]["env"]["DEBUG_PORT"] == str(base_port)
-        assert spec["args"][:5] == ["-m", "torch.distributed.run", "--standalone",
-                                    f"--nproc_per_node={len(ranks)}", "--max-restarts=0"]
+        assert spec["args"][:5] == [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={len(ranks)}",
+            "--max-restarts=0",
+        ]
         background = spec["problemMatcher"]["background"]
         assert background["activeOnStart"]
         ready = f"rank {rank} waiting for debugger on 127.0.0.1:{base_port + rank}"
@@ -291,12 +331,16 @@ def test_vscode_files_parse_and_every_variable_resolves(tmp_path):
 
 # Attach to chosen ranks (DEBUG_RANK).
 
+
 def test_attach_to_rank_2_of_3_outlives_the_collective_timeout(tmp_path, cleanup):
     source, line, _ = step_breakpoints()
     port, dist_timeout = free_port(), 2
     started = time.monotonic()
-    job = Job(train_cmd(3) + SHORT + ["--dist-timeout", str(dist_timeout)] + outputs(tmp_path),
-              child_env(DEBUG_RANK=2, DEBUG_PORT=port, PYDEVD_DISABLE_FILE_VALIDATION=1), tmp_path / "job.log")
+    job = Job(
+        train_cmd(3) + SHORT + ["--dist-timeout", str(dist_timeout)] + outputs(tmp_path),
+        child_env(DEBUG_RANK=2, DEBUG_PORT=port, PYDEVD_DISABLE_FILE_VALIDATION=1),
+        tmp_path / "job.log",
+    )
     cleanup.append(job)
     (announced,) = job.wait_for(WAITING)
     assert announced.group(0) == f"rank 2 waiting for debugger on 127.0.0.1:{port + 2}"
@@ -325,8 +369,11 @@ def test_attach_to_rank_2_of_3_outlives_the_collective_timeout(tmp_path, cleanup
 def test_debug_rank_all_stops_every_rank_and_a_rank_condition_stops_one(tmp_path, cleanup):
     source, line, second = step_breakpoints()
     port = free_port()
-    job = Job(train_cmd(2) + SHORT + outputs(tmp_path),
-              child_env(DEBUG_RANK="all", DEBUG_PORT=port, PYDEVD_DISABLE_FILE_VALIDATION=1), tmp_path / "job.log")
+    job = Job(
+        train_cmd(2) + SHORT + outputs(tmp_path),
+        child_env(DEBUG_RANK="all", DEBUG_PORT=port, PYDEVD_DISABLE_FILE_VALIDATION=1),
+        tmp_path / "job.log",
+    )
     cleanup.append(job)
     lines = job.wait_for(WAITING, count=2)
     assert sorted((m.group(1), int(m.group(3))) for m in lines) == [("0", port), ("1", port + 1)]
@@ -358,23 +405,30 @@ def test_listen_errors_name_the_port_and_rank(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         base = taken.getsockname()[1] - 1  # rank 1 (local rank 1) finds its port taken
-        busy = start(train_cmd(2) + SHORT + outputs(tmp_path, "busy"),
-                     env=child_env(DEBUG_RANK=1, DEBUG_PORT=base, PYDEVD_DISABLE_FILE_VALIDATION=1))
+        busy = start(
+            train_cmd(2) + SHORT + outputs(tmp_path, "busy"),
+            env=child_env(DEBUG_RANK=1, DEBUG_PORT=base, PYDEVD_DISABLE_FILE_VALIDATION=1),
+        )
         # TEST-NET-1 (RFC 5737) is on no interface here: a non-loopback address that nothing can reach.
-        remote = start(train_cmd() + SHORT + outputs(tmp_path, "remote"),
-                       env=child_env(DEBUG_RANK=0, DEBUG_HOST="192.0.2.1", DEBUG_PORT=free_port(),
-                                     PYDEVD_DISABLE_FILE_VALIDATION=1))
+        remote = start(
+            train_cmd() + SHORT + outputs(tmp_path, "remote"),
+            env=child_env(
+                DEBUG_RANK=0, DEBUG_HOST="192.0.2.1", DEBUG_PORT=free_port(), PYDEVD_DISABLE_FILE_VALIDATION=1
+            ),
+        )
         busy_code, busy_out = finish(busy, timeout=120)
         remote_code, remote_out = finish(remote, timeout=120)
     assert busy_code != 0
     # One line names the rank, the address it could not take, and the variable that moves it.
-    assert any(re.search(rf"\brank 1\b.*127\.0\.0\.1:{base + 1}\b.*DEBUG_PORT", line)
-               for line in busy_out.splitlines()), busy_out[-4000:]
+    assert any(
+        re.search(rf"\brank 1\b.*127\.0\.0\.1:{base + 1}\b.*DEBUG_PORT", line) for line in busy_out.splitlines()
+    ), busy_out[-4000:]
     assert remote_code != 0
     # A non-loopback address is warned about (and 127.0.0.1 offered) before the rank fails to listen on it.
     assert any(re.search(r"WARNING.*192\.0\.2\.1.*127\.0\.0\.1", line) for line in remote_out.splitlines()), remote_out
-    assert any(re.search(r"\brank 0\b.*192\.0\.2\.1:\d+", line) and "WARNING" not in line
-               for line in remote_out.splitlines()), remote_out[-4000:]
+    assert any(
+        re.search(r"\brank 0\b.*192\.0\.2\.1:\d+", line) and "WARNING" not in line for line in remote_out.splitlines()
+    ), remote_out[-4000:]
 
 
 def test_without_debug_variables_debugpy_is_not_imported(tmp_path):
@@ -384,6 +438,7 @@ def test_without_debug_variables_debugpy_is_not_imported(tmp_path):
 
 
 # The VSCode configurations, run as VSCode runs them.
+
 
 def run_task(spec, workspace, log, **env_overrides):
     """Run a tasks.json process task: resolved command and args, options.cwd, options.env over our environment."""
@@ -448,8 +503,14 @@ def test_f5_stops_in_every_rank(tmp_path, cleanup):
     config = resolve(configuration("torchrun (F5)"), workspace)
     # Where the configuration's run writes: its flags, else train.py's defaults (relative to its cwd).
     cwd = Path(config.get("cwd", workspace))
-    snapshot_dir, log_file, export_dir = (cwd / flag_value(config["args"], name, default) for name, default in (
-        ("--snapshot-dir", "snapshots"), ("--log-file", "logs/train.log"), ("--export-dir", "export")))
+    snapshot_dir, log_file, export_dir = (
+        cwd / flag_value(config["args"], name, default)
+        for name, default in (
+            ("--snapshot-dir", "snapshots"),
+            ("--log-file", "logs/train.log"),
+            ("--export-dir", "export"),
+        )
+    )
     # Its preLaunchTask removes the snapshots of earlier debug runs, or this one would resume a finished run.
     stale = snapshot_dir / "step-00000100"
     stale.mkdir(parents=True)

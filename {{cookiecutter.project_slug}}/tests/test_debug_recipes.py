@@ -9,11 +9,11 @@ import signal
 import subprocess
 import time
 
-import pytest
-
 import dap
-from {{ cookiecutter.project_slug }} import baked
+import pytest
 from conftest import ROOT, child_env, free_port, outputs, train_cmd
+
+from {{ cookiecutter.project_slug }} import baked
 
 DIST_TIMEOUT = 2  # seconds: every wait below outlasts it, so the other ranks must be waiting on purpose
 RUN = ["--wandb", "disabled", "--dist-timeout", str(DIST_TIMEOUT)]
@@ -26,9 +26,15 @@ class Job:
     def __init__(self, cmd, env, log, stdin=False):
         self.log = log
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd,
+                env=env,
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def output(self):
         return self.log.read_text(errors="replace")
@@ -112,8 +118,12 @@ train.main(sys.argv[1:])
 def test_distributed_breakpoint_takes_pdb_commands_from_the_terminal(tmp_path, cleanup):
     script = tmp_path / "train_with_breakpoint.py"
     script.write_text(BREAKING_TRAIN.format(root=str(ROOT)))
-    job = Job(train_cmd(2, ["--max-restarts=0"], script=script) + outputs(tmp_path) + RUN + ["--max-steps", "6"],
-              child_env(BREAK_AT=3), tmp_path / "job.log", stdin=True)
+    job = Job(
+        train_cmd(2, ["--max-restarts=0"], script=script) + outputs(tmp_path) + RUN + ["--max-steps", "6"],
+        child_env(BREAK_AT=3),
+        tmp_path / "job.log",
+        stdin=True,
+    )
     cleanup.append(job)
     job.wait_for(r"\(Pdb\) ")
     time.sleep(DIST_TIMEOUT + 2)  # the user reads the code; rank 0 waits past --dist-timeout
@@ -133,10 +143,23 @@ POSTMORTEM = re.compile(r"^rank (\d+) waiting for debugger on (\S+):(\d+) \(post
 
 def test_post_mortem_stops_at_the_exception_then_the_job_fails(tmp_path, cleanup):
     port = free_port() - 1  # rank 1 listens on DEBUG_PORT + 1: a port just seen free
-    env = child_env(DEBUG_RANK="all", DEBUG_POSTMORTEM=1, DEBUG_PORT=port, PYDEVD_DISABLE_FILE_VALIDATION=1,
-                    FAULT="raise_at_step", FAULT_RANK=1, FAULT_STEP=3)
-    job = Job(train_cmd(2, ["--max-restarts=0"], script="tests/fault_injection.py") + outputs(tmp_path) + RUN
-              + ["--max-steps", "50"], env, tmp_path / "job.log")
+    env = child_env(
+        DEBUG_RANK="all",
+        DEBUG_POSTMORTEM=1,
+        DEBUG_PORT=port,
+        PYDEVD_DISABLE_FILE_VALIDATION=1,
+        FAULT="raise_at_step",
+        FAULT_RANK=1,
+        FAULT_STEP=3,
+    )
+    job = Job(
+        train_cmd(2, ["--max-restarts=0"], script="tests/fault_injection.py")
+        + outputs(tmp_path)
+        + RUN
+        + ["--max-steps", "50"],
+        env,
+        tmp_path / "job.log",
+    )
     cleanup.append(job)
     waiting = job.wait_for(POSTMORTEM)
     assert (waiting.group(1), waiting.group(2), int(waiting.group(3))) == ("1", "127.0.0.1", port + 1)
@@ -161,6 +184,7 @@ def test_post_mortem_stops_at_the_exception_then_the_job_fails(tmp_path, cleanup
 
 # Other debugpy clients: what nvim-dap and Emacs dap-mode send, with the configurations README.md gives.
 
+
 def readme_snippet(language):
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(rf"```{language}\n(.*?)```", text, re.S)
@@ -173,8 +197,13 @@ def nvim_dap_attach():
     lua = readme_snippet("lua")
     host = re.search(r'host\s*=\s*"([^"]+)"', lua).group(1)
     port = int(re.search(r"port\s*=\s*(\d+)", lua).group(1))
-    return {"type": "python", "request": "attach", "name": "attach", "connect": {"host": host, "port": port},
-            "justMyCode": True}
+    return {
+        "type": "python",
+        "request": "attach",
+        "name": "attach",
+        "connect": {"host": host, "port": port},
+        "justMyCode": True,
+    }
 
 
 def dap_mode_attach():
@@ -183,16 +212,30 @@ def dap_mode_attach():
     elisp = readme_snippet("elisp")
     host = re.search(r':host\s+"([^"]+)"', elisp).group(1)
     port = int(re.search(r":port\s+(\d+)", elisp).group(1))
-    return {"type": "python", "request": "attach", "name": "attach", "host": host, "debugServer": port,
-            "args": [], "justMyCode": True}
+    return {
+        "type": "python",
+        "request": "attach",
+        "name": "attach",
+        "host": host,
+        "debugServer": port,
+        "args": [],
+        "justMyCode": True,
+    }
 
 
 class OtherClient(dap.Session):
     """A DAP client that is not VSCode: it introduces itself by its own name and asks for nothing VSCode-only."""
 
     def start(self, command, configuration, breakpoints, timeout=dap.TIMEOUT):
-        self.request("initialize", clientID=self.name, clientName=self.name, adapterID="python", pathFormat="path",
-                     linesStartAt1=True, columnsStartAt1=True)
+        self.request(
+            "initialize",
+            clientID=self.name,
+            clientName=self.name,
+            adapterID="python",
+            pathFormat="path",
+            linesStartAt1=True,
+            columnsStartAt1=True,
+        )
         start = self.send(command, **configuration)  # answered only after configurationDone
         self.wait_event("initialized", timeout=timeout)
         self.request("configurationDone")
@@ -212,14 +255,20 @@ def test_nvim_dap_and_dap_mode_attach_with_the_readme_configurations(tmp_path, c
     configs = {"nvim-dap": nvim_dap_attach(), "dap-mode": dap_mode_attach()}
     assert nvim_dap_attach()["connect"]["port"] == dap_mode_attach()["debugServer"] == baked.DEBUG_PORT
     port = free_port()  # the snippets' port, moved to a free one so that nothing else on this machine interferes
-    job = Job(train_cmd(2, ["--max-restarts=0"]) + outputs(tmp_path) + RUN + ["--max-steps", "1000000"],
-              child_env(DEBUG_RANK=0, DEBUG_PORT=port, PYDEVD_DISABLE_FILE_VALIDATION=1), tmp_path / "job.log")
+    job = Job(
+        train_cmd(2, ["--max-restarts=0"]) + outputs(tmp_path) + RUN + ["--max-steps", "1000000"],
+        child_env(DEBUG_RANK=0, DEBUG_PORT=port, PYDEVD_DISABLE_FILE_VALIDATION=1),
+        tmp_path / "job.log",
+    )
     cleanup.append(job)
     job.wait_for(rf"^rank 0 waiting for debugger on 127\.0\.0\.1:{port}$")
 
     for client, config in configs.items():
-        config = {**config, "connect": {"host": "127.0.0.1", "port": port}} if "connect" in config else {
-            **config, "debugServer": port}
+        config = (
+            {**config, "connect": {"host": "127.0.0.1", "port": port}}
+            if "connect" in config
+            else {**config, "debugServer": port}
+        )
         session = OtherClient.connect("127.0.0.1", port, name=client)
         cleanup.append(session)
         session.start("attach", config, {})

@@ -9,18 +9,35 @@ import signal
 import time
 
 import pytest
-
 from conftest import assert_same_weights, child_env, final_model, finish, run, start, train_cmd, wait_for, worker_pids
 
 STEPS = 60
-ARGS = ["--wandb", "disabled", "--log-every", "5", "--max-steps", str(STEPS), "--snapshot-every", "10",
-        "--threads-per-rank", "1"]
+ARGS = [
+    "--wandb",
+    "disabled",
+    "--log-every",
+    "5",
+    "--max-steps",
+    str(STEPS),
+    "--snapshot-every",
+    "10",
+    "--threads-per-rank",
+    "1",
+]
 
 
 def files(tmp_path, name="run"):
     folder = tmp_path / name
-    return ["--snapshot-dir", str(folder / "snapshots"), "--log-file", str(folder / "train.log"),
-            "--metrics-file", str(folder / "metrics.jsonl"), "--export-dir", str(folder / "export")]
+    return [
+        "--snapshot-dir",
+        str(folder / "snapshots"),
+        "--log-file",
+        str(folder / "train.log"),
+        "--metrics-file",
+        str(folder / "metrics.jsonl"),
+        "--export-dir",
+        str(folder / "export"),
+    ]
 
 
 def logged_steps(tmp_path, name="run"):
@@ -42,8 +59,7 @@ def test_sigkill_at_a_random_moment_ends_bitwise_equal_with_3_and_4_ranks(tmp_pa
     run(train_cmd(nproc) + ARGS + files(tmp_path, "reference"))
     proc = start(train_cmd(nproc, ["--max-restarts=2"]) + ARGS + files(tmp_path))
     kill_after = random.randint(12, 40)
-    wait_for(lambda: any(step >= kill_after for step in logged_steps(tmp_path)), timeout=180,
-             what=f"step {kill_after}")
+    wait_for(lambda: any(step >= kill_after for step in logged_steps(tmp_path)), timeout=180, what=f"step {kill_after}")
     time.sleep(random.uniform(0, 0.3))  # mid-step, mid-save or between saves
     victim = random.randrange(nproc)
     os.kill(worker_pids(proc.pid)[victim], signal.SIGKILL)
@@ -62,12 +78,18 @@ def test_world_size_1_then_2_then_1_keeps_the_run_length_and_schedule_in_samples
 
     batch = config.parse_args([]).batch_size
     fault = train_cmd(script="tests/fault_injection.py")
-    killed = run(fault + ARGS + files(tmp_path), check=False,
-                 env=child_env(FAULT="kill_after_commit", FAULT_STEP=20, FAULT_ONCE=tmp_path / "first"))
+    killed = run(
+        fault + ARGS + files(tmp_path),
+        check=False,
+        env=child_env(FAULT="kill_after_commit", FAULT_STEP=20, FAULT_ONCE=tmp_path / "first"),
+    )
     assert killed.returncode != 0 and final_model(tmp_path / "run" / "snapshots")["step"] == 20
     # 20 x 32 samples done: on 2 ranks a step takes 64; stopped again after 10 of them.
-    killed = run(train_cmd(2, script="tests/fault_injection.py") + ARGS + files(tmp_path), check=False,
-                 env=child_env(FAULT="kill_after_commit", FAULT_STEP=30, FAULT_ONCE=tmp_path / "second"))
+    killed = run(
+        train_cmd(2, script="tests/fault_injection.py") + ARGS + files(tmp_path),
+        check=False,
+        env=child_env(FAULT="kill_after_commit", FAULT_STEP=30, FAULT_ONCE=tmp_path / "second"),
+    )
     assert killed.returncode != 0 and final_model(tmp_path / "run" / "snapshots")["step"] == 30
     run(train_cmd() + ARGS + files(tmp_path))
 
@@ -76,6 +98,7 @@ def test_world_size_1_then_2_then_1_keeps_the_run_length_and_schedule_in_samples
     assert (done["steps"], done["resumed_from"]) == (20 + 10 + 20, 30)
     run(train_cmd() + ARGS + files(tmp_path, "uninterrupted"))
     last_lr = [json.loads(line)["lr"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
-    reference = [json.loads(line)["lr"] for line in
-                 (tmp_path / "uninterrupted" / "metrics.jsonl").read_text().splitlines()][-1]
+    reference = [
+        json.loads(line)["lr"] for line in (tmp_path / "uninterrupted" / "metrics.jsonl").read_text().splitlines()
+    ][-1]
     assert last_lr == reference, "the schedule ends where the uninterrupted run's ends"

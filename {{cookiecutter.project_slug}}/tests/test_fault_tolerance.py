@@ -14,9 +14,24 @@ import time
 import numpy as np
 import pytest
 import torch
-
-from conftest import (QUICK, ROOT, assert_same_weights, child_env, default_config, final_model, finish, free_port,
-                      metrics, outputs, run, start, summary, train_cmd, wait_for, worker_pids)
+from conftest import (
+    QUICK,
+    ROOT,
+    assert_same_weights,
+    child_env,
+    default_config,
+    final_model,
+    finish,
+    free_port,
+    metrics,
+    outputs,
+    run,
+    start,
+    summary,
+    train_cmd,
+    wait_for,
+    worker_pids,
+)
 
 ARGS = QUICK + ["--max-steps", "120", "--snapshot-every", "20"]
 LOGGED_STEPS = list(range(5, 121, 5))  # --log-every 5 (QUICK)
@@ -25,11 +40,13 @@ FAILED_ATTEMPT = re.compile(r"failed \(exitcode: ")
 
 def reached_step(tmp_path, step):
     """True once the run's metrics file has a record of `step` or later (each line is flushed as it is written)."""
+
     def check():
         try:
             return any(record["step"] >= step for record in metrics(tmp_path))
         except ValueError:
             return False  # the line being written
+
     return check
 
 
@@ -54,7 +71,10 @@ def training_draws_random_numbers():
     torch.manual_seed(cfg.seed)
     train, _ = build_datasets(cfg)
     network = model.build_model(cfg, train).train()
-    streams = (lambda: (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()))
+
+    def streams():
+        return torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
+
     before = streams()
     inputs, targets = default_collate([train[i] for i in range(min(cfg.batch_size, len(train)))])
     model.loss_fn(network(inputs), targets).backward()
@@ -92,7 +112,9 @@ def test_sigkilled_worker_is_restarted_and_ends_bitwise_equal(tmp_path, referenc
 def test_crash_inside_a_save_resumes_from_the_previous_snapshot(tmp_path, reference_runs, rank, where):
     reference = reference_runs(ARGS)
     cmd = train_cmd(2, ["--max-restarts=3"], script="tests/fault_injection.py") + ARGS + outputs(tmp_path)
-    out = run(cmd, env=injected(tmp_path, FAULT="crash_in_save", FAULT_RANK=rank, FAULT_STEP=60, FAULT_FILE=where)).stdout
+    out = run(
+        cmd, env=injected(tmp_path, FAULT="crash_in_save", FAULT_RANK=rank, FAULT_STEP=60, FAULT_FILE=where)
+    ).stdout
     assert (tmp_path / "fault-fired").exists()
     assert len(FAILED_ATTEMPT.findall(out)) == 1
     assert summary(tmp_path)["resumed_from"] == 40
@@ -169,9 +191,18 @@ def test_sigterm_stops_at_a_step_saves_and_a_relaunch_ends_bitwise_equal(tmp_pat
 
 def test_static_rendezvous_restart_recovers(tmp_path, reference_runs):
     reference = reference_runs(ARGS)
-    rendezvous = ["--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--nnodes=1",
-                  "--node-rank=0", "--nproc_per_node=2", "--max-restarts=3"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, str(ROOT / "train.py")] + ARGS + outputs(tmp_path)
+    rendezvous = [
+        "--rdzv-backend=static",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        "--nnodes=1",
+        "--node-rank=0",
+        "--nproc_per_node=2",
+        "--max-restarts=3",
+    ]
+    cmd = (
+        [sys.executable, "-m", "torch.distributed.run", *rendezvous, str(ROOT / "train.py")] + ARGS + outputs(tmp_path)
+    )
     proc = start(cmd)
     wait_for(reached_step(tmp_path, 30), what="step 30")
     os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)

@@ -17,9 +17,20 @@ import time
 
 import pytest
 import torch
-
-from conftest import (QUICK, ROOT, assert_same_weights, child_env, default_config, default_datasets, final_model,
-                      metrics, outputs, run, summary, train_cmd)
+from conftest import (
+    QUICK,
+    ROOT,
+    assert_same_weights,
+    child_env,
+    default_config,
+    default_datasets,
+    final_model,
+    metrics,
+    outputs,
+    run,
+    summary,
+    train_cmd,
+)
 
 GPU_COUNT = torch.cuda.device_count()
 ARGS = QUICK + ["--max-steps", "60", "--snapshot-every", "20"]
@@ -29,7 +40,7 @@ NO_DETERMINISTIC_OP = "does not have a deterministic implementation"  # what tor
 # train.py with two additions: ALL_RANKS_ON_GPU=N puts every rank on GPU N, and each rank writes its backend,
 # device and determinism switches to PROBE_DIR when training starts. tests/fault_injection.py is imported first, so
 # the FAULT variables work here as they do there.
-PROBED_TRAIN = '''
+PROBED_TRAIN = """
 import json
 import os
 import sys
@@ -64,14 +75,15 @@ trainer.train = probed_training
 
 if __name__ == "__main__":
     train.main(sys.argv[1:])
-'''
+"""
 
 
 def gpus(count):
     """Skips a test where this machine has fewer than `count` CUDA GPUs, saying so."""
     have = f"{GPU_COUNT} GPU{'s' if GPU_COUNT != 1 else ''}" if torch.cuda.is_available() else "no CUDA"
-    return pytest.mark.skipif(GPU_COUNT < count,
-                              reason=f"needs {count} CUDA GPU{'s' if count > 1 else ''}; this machine has {have}")
+    return pytest.mark.skipif(
+        count > GPU_COUNT, reason=f"needs {count} CUDA GPU{'s' if count > 1 else ''}; this machine has {have}"
+    )
 
 
 def probed(tmp_path, nproc=None, torchrun_args=()):
@@ -96,7 +108,7 @@ def probes(folder):
     """{(rank, attempt): record} of every rank of every attempt of a probed run."""
     found = {}
     for path in folder.glob("rank*-attempt*.json"):
-        rank, attempt = path.stem[len("rank"):].split("-attempt")
+        rank, attempt = path.stem[len("rank") :].split("-attempt")
         found[int(rank), int(attempt)] = json.loads(path.read_text())
     return found
 
@@ -105,9 +117,11 @@ def run_deterministic(cmd, env):
     """run(), but skip the test when this model uses an operation torch has no deterministic implementation of."""
     result = run(cmd, env=env, check=False)
     if result.returncode != 0 and NO_DETERMINISTIC_OP in result.stdout:
-        pytest.skip("this model uses an operation with no deterministic implementation on CUDA, so a bitwise "
-                    "resume cannot be promised for it: " + next(line for line in result.stdout.splitlines()
-                                                              if NO_DETERMINISTIC_OP in line).strip())
+        pytest.skip(
+            "this model uses an operation with no deterministic implementation on CUDA, so a bitwise "
+            "resume cannot be promised for it: "
+            + next(line for line in result.stdout.splitlines() if NO_DETERMINISTIC_OP in line).strip()
+        )
     if result.returncode != 0:
         pytest.fail(f"{' '.join(map(str, cmd))} exited {result.returncode}:\n{result.stdout[-6000:]}")
     return result
@@ -116,11 +130,15 @@ def run_deterministic(cmd, env):
 def killed_and_resumed(tmp_path, nproc, args, **env):
     """An uninterrupted run and one whose worker is SIGKILLed after the snapshot of step KILL_AT and restarted by
     torchrun; returns both final snapshots and the probes of the resumed run."""
-    run_deterministic(probed(tmp_path, nproc) + args + outputs(tmp_path, "reference"),
-                      env=probe_env(tmp_path / "probe-reference", **env))
+    run_deterministic(
+        probed(tmp_path, nproc) + args + outputs(tmp_path, "reference"),
+        env=probe_env(tmp_path / "probe-reference", **env),
+    )
     fault = {"FAULT": "kill_after_commit", "FAULT_STEP": KILL_AT, "FAULT_ONCE": tmp_path / "killed"}
-    run_deterministic(probed(tmp_path, nproc, ["--max-restarts=1"]) + args + outputs(tmp_path),
-                      env=probe_env(tmp_path / "probe", **env, **fault))
+    run_deterministic(
+        probed(tmp_path, nproc, ["--max-restarts=1"]) + args + outputs(tmp_path),
+        env=probe_env(tmp_path / "probe", **env, **fault),
+    )
     assert (tmp_path / "killed").exists(), "the worker was not killed"
     done = summary(tmp_path)
     assert done["resumed_from"] == KILL_AT and done["steps"] == 60, done
@@ -129,6 +147,7 @@ def killed_and_resumed(tmp_path, nproc, args, **env):
 
 
 # ---- one rank with nccl on one GPU ----------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def nccl_run(tmp_path_factory):
@@ -154,7 +173,7 @@ def test_one_rank_trains_with_nccl_on_its_gpu(nccl_run):
     assert_same_weights(exported, final_model(nccl_run / "run-snapshots")["model"])
 
 
-LOAD_ON_CPU = '''
+LOAD_ON_CPU = """
 import sys
 
 import torch
@@ -175,28 +194,35 @@ assert torch.isfinite(loss), loss
 snapshot = load_latest(sys.argv[2])
 network.load_state_dict(snapshot["model"])
 print("loaded on CPU: step", snapshot["step"])
-'''
+"""
 
 
 @pytest.mark.gpu
 @gpus(1)
 def test_exported_weights_and_snapshots_of_a_gpu_run_load_on_a_machine_without_gpus(nccl_run):
-    result = run([sys.executable, "-c", LOAD_ON_CPU, str(nccl_run / "run-export" / "model.pt"),
-                  str(nccl_run / "run-snapshots")], env=child_env(CUDA_VISIBLE_DEVICES=""))
+    result = run(
+        [sys.executable, "-c", LOAD_ON_CPU, str(nccl_run / "run-export" / "model.pt"), str(nccl_run / "run-snapshots")],
+        env=child_env(CUDA_VISIBLE_DEVICES=""),
+    )
     assert "loaded on CPU: step 60" in result.stdout
 
 
 @pytest.mark.gpu
 @gpus(1)
 def test_two_ranks_with_nccl_on_one_gpu_are_refused_before_training(tmp_path):
-    result = run(train_cmd(2) + QUICK + ["--max-steps", "5", "--backend", "nccl"] + outputs(tmp_path),
-                 env=child_env(CUDA_VISIBLE_DEVICES="0"), check=False, timeout=180)
+    result = run(
+        train_cmd(2) + QUICK + ["--max-steps", "5", "--backend", "nccl"] + outputs(tmp_path),
+        env=child_env(CUDA_VISIBLE_DEVICES="0"),
+        check=False,
+        timeout=180,
+    )
     assert result.returncode != 0
     assert "--nproc_per_node" in result.stdout, result.stdout[-3000:]
     assert not metrics(tmp_path), "refused before any step"
 
 
 # ---- bitwise resume on GPUs -------------------------------------------------------------------------------------
+
 
 @pytest.mark.gpu
 @gpus(1)
@@ -248,6 +274,7 @@ def test_deterministic_switches_are_on_before_training_and_off_without_the_flag(
 
 # ---- background snapshots of CUDA tensors -----------------------------------------------------------------------
 
+
 def cycles_per_second():
     """How many cycles torch.cuda._sleep spins per second on this GPU."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -274,6 +301,7 @@ def test_a_snapshot_of_cuda_tensors_leaves_the_training_thread_free_and_holds_th
     snapshots = Snapshots(str(tmp_path / "snapshots"), DistEnv(device=device), keep=2)
     snapshots.prepare(2**26)
     try:
+
         def state(step):
             return {"model": {"weights": weights}, "optimizer": {"moments": moments}, "step": step}
 
@@ -309,11 +337,13 @@ def test_a_snapshot_of_cuda_tensors_leaves_the_training_thread_free_and_holds_th
     assert saved["step"] == 2
     assert saved["model"]["weights"].device.type == "cpu"
     assert torch.equal(saved["model"]["weights"], torch.ones(1024, 1024))
-    assert all(torch.equal(saved_moment, torch.full_like(saved_moment, 2.0))
-               for saved_moment in saved["optimizer"]["moments"])
+    assert all(
+        torch.equal(saved_moment, torch.full_like(saved_moment, 2.0)) for saved_moment in saved["optimizer"]["moments"]
+    )
 
 
 # ---- torch.compile ----------------------------------------------------------------------------------------------
+
 
 @pytest.mark.gpu
 @gpus(1)

@@ -12,14 +12,13 @@ import time
 
 import pytest
 import torch
-
 from conftest import ROOT, child_env, outputs, start, train_cmd, wait_for, worker_pids
 
 sys.path.insert(0, str(ROOT))
 
-from {{ cookiecutter.project_slug }} import joblock  # noqa: E402
-from {{ cookiecutter.project_slug }}.distributed import DistEnv  # noqa: E402
-from {{ cookiecutter.project_slug }}.snapshot import MANIFEST, SnapshotError, Snapshots, step_name  # noqa: E402
+from {{ cookiecutter.project_slug }} import joblock
+from {{ cookiecutter.project_slug }}.distributed import DistEnv
+from {{ cookiecutter.project_slug }}.snapshot import MANIFEST, SnapshotError, Snapshots, step_name
 
 PACKAGE = "{{ cookiecutter.project_slug }}"
 # Takes the lock of the folder argv[1] as rank 0 of a job does; then "hold" keeps it (with its heartbeat) until
@@ -76,8 +75,20 @@ def foreign_lock(folder, host, job="", heartbeat_age=0.0):
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / joblock.LOCK_FILE
     now = time.time()
-    path.write_text(json.dumps({"host": host, "boot_id": "other-boot", "pid": 4242, "pid_started": 1, "job": job,
-                                "started": now - 3600, "heartbeat": now - heartbeat_age, "owner": "f" * 16}))
+    path.write_text(
+        json.dumps(
+            {
+                "host": host,
+                "boot_id": "other-boot",
+                "pid": 4242,
+                "pid_started": 1,
+                "job": job,
+                "started": now - 3600,
+                "heartbeat": now - heartbeat_age,
+                "owner": "f" * 16,
+            }
+        )
+    )
     os.utime(path, (now - heartbeat_age, now - heartbeat_age))
     return path
 
@@ -181,8 +192,9 @@ def test_heartbeat_keeps_the_lock_fresh_and_a_job_that_lost_it_commits_nothing(t
     snapshots = prepare(folder)
     lock = folder / joblock.LOCK_FILE
     written = os.stat(lock).st_mtime
-    wait_for(lambda: os.stat(lock).st_mtime > written, timeout=4 * joblock.HEARTBEAT_S, interval=0.2,
-             what="a heartbeat")
+    wait_for(
+        lambda: os.stat(lock).st_mtime > written, timeout=4 * joblock.HEARTBEAT_S, interval=0.2, what="a heartbeat"
+    )
     # Another machine judged this job dead and took the folder over.
     foreign_lock(folder, "node-17", heartbeat_age=0)
     step = [0]
@@ -234,8 +246,9 @@ time.sleep(600)
 """
 
 
-@pytest.mark.parametrize("watch", ["joblock.exit_with_parent()", "joblock.watch_parent(os.getppid())"],
-                         ids=["prctl", "polling"])
+@pytest.mark.parametrize(
+    "watch", ["joblock.exit_with_parent()", "joblock.watch_parent(os.getppid())"], ids=["prctl", "polling"]
+)
 def test_child_dies_when_its_parent_is_killed(tmp_path, watch):
     armed = tmp_path / "armed"
     parent = start([sys.executable, "-c", PARENT, CHILD.replace("WATCH", watch), str(armed)])
@@ -276,8 +289,9 @@ def test_torchrun_workers_that_call_exit_with_parent_die_with_their_agent(tmp_pa
     script.write_text(WORKER)
     armed = tmp_path / "armed"
     armed.mkdir()
-    agent = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-                   str(armed)])
+    agent = start(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), str(armed)]
+    )
     workers = {}
     try:
         wait_for(lambda: len(list(armed.iterdir())) == 2, timeout=120, what="both workers to arm themselves")
@@ -285,8 +299,11 @@ def test_torchrun_workers_that_call_exit_with_parent_die_with_their_agent(tmp_pa
         assert len(workers) == 2
         os.kill(agent.pid, signal.SIGKILL)
         agent.wait()
-        wait_for(lambda: not any(alive(pid) for pid in workers.values()), timeout=10,
-                 what="the workers to die with their agent")
+        wait_for(
+            lambda: not any(alive(pid) for pid in workers.values()),
+            timeout=10,
+            what="the workers to die with their agent",
+        )
     finally:
         kill_all(workers.values())
         if agent.poll() is None:
@@ -303,12 +320,18 @@ def test_training_workers_die_when_their_torchrun_agent_is_killed(tmp_path):
     """The real thing: torchrun train.py, its agent SIGKILLed mid-training; no worker trains on without it."""
     folder = tmp_path / "run-snapshots"
     # Far more steps than the test lasts: a worker that outlived its agent would still be training at the end.
-    agent = start(train_cmd(2) + ["--max-steps", "1000000", "--snapshot-every", "20", "--wandb", "disabled"]
-                  + outputs(tmp_path), env=child_env())
+    agent = start(
+        train_cmd(2) + ["--max-steps", "1000000", "--snapshot-every", "20", "--wandb", "disabled"] + outputs(tmp_path),
+        env=child_env(),
+    )
     workers = {}
     try:
-        wait_for(lambda: committed_steps(folder) or agent.poll() is not None, timeout=300, interval=0.2,
-                 what="a first snapshot")
+        wait_for(
+            lambda: committed_steps(folder) or agent.poll() is not None,
+            timeout=300,
+            interval=0.2,
+            what="a first snapshot",
+        )
         assert agent.poll() is None, f"training ended early:\n{agent.stdout.read()[-6000:]}"
         workers = worker_pids(agent.pid)
         assert len(workers) == 2, workers

@@ -10,8 +10,23 @@ import re
 import signal
 import sys
 
-from conftest import (QUICK, ROOT, assert_same_weights, child_env, default_config, default_datasets, final_model,
-                      finish, free_port, metrics, outputs, start, summary, wait_for, worker_pids)
+from conftest import (
+    QUICK,
+    ROOT,
+    assert_same_weights,
+    child_env,
+    default_config,
+    default_datasets,
+    final_model,
+    finish,
+    free_port,
+    metrics,
+    outputs,
+    start,
+    summary,
+    wait_for,
+    worker_pids,
+)
 
 STEPS = 200
 ARGS = QUICK + ["--max-steps", str(STEPS), "--snapshot-every", "20", "--threads-per-rank", "1"]
@@ -22,16 +37,28 @@ FAST_ELASTIC = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt
 def agent_cmd(port, job, nnodes, is_host, rdzv_conf="", torchrun_args=()):
     """One node's torchrun; node 0 hosts the rendezvous, as the first node of a SLURM job does."""
     conf = ",".join(filter(None, [f"is_host={int(is_host)}", rdzv_conf]))
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc_per_node=1",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}", f"--rdzv-conf={conf}",
-            *torchrun_args, str(ROOT / "train.py")]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        "--nproc_per_node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={job}",
+        f"--rdzv-conf={conf}",
+        *torchrun_args,
+        str(ROOT / "train.py"),
+    ]
 
 
 def start_nodes(args_per_node, nnodes="2", env=None, **kwargs):
     port = free_port()
     env = child_env(LOGLEVEL="INFO", **(env or {}))  # LOGLEVEL: the agents say when they (re)start their workers
-    return [start(agent_cmd(port, f"job-{port}", nnodes, node == 0, **kwargs) + args, env=env)
-            for node, args in enumerate(args_per_node)]
+    return [
+        start(agent_cmd(port, f"job-{port}", nnodes, node == 0, **kwargs) + args, env=env)
+        for node, args in enumerate(args_per_node)
+    ]
 
 
 def finish_all(agents, timeout=240):
@@ -94,7 +121,9 @@ def test_killed_worker_on_one_node_restarts_every_node(tmp_path, reference_runs)
 
 def test_elastic_job_loses_a_node_and_finishes_on_the_other(tmp_path):
     """--nnodes=1:2: when node 1 dies, node 0 alone resumes the 2-rank snapshot with 1 rank and finishes."""
-    agents = start_nodes([ARGS + outputs(tmp_path)] * 2, nnodes="1:2", rdzv_conf=FAST_ELASTIC, torchrun_args=["--max-restarts=3"])
+    agents = start_nodes(
+        [ARGS + outputs(tmp_path)] * 2, nnodes="1:2", rdzv_conf=FAST_ELASTIC, torchrun_args=["--max-restarts=3"]
+    )
     wait_for(lambda: committed(tmp_path / "run-snapshots", world_size=2), timeout=120, what="a 2-rank snapshot")
     workers = worker_pids(agents[1].pid)
     os.killpg(agents[1].pid, signal.SIGKILL)  # the whole node: its agent, and its worker (in a session of its own)
@@ -120,8 +149,10 @@ def test_nodes_that_see_different_snapshot_folders_stop_at_start_up(tmp_path):
     """Two machines whose --snapshot-dir is not one shared folder (here: two folders) must not train."""
     folders = [tmp_path / "node0-snapshots", tmp_path / "node1-snapshots"]
     env = {"SHARED_FOLDER_WAIT_S": "1"}  # no network filesystem to wait for here
-    node_args = [QUICK + outputs(tmp_path, f"node{node}") + ["--snapshot-dir", str(folder), "--log-file", ""]
-                 for node, folder in enumerate(folders)]
+    node_args = [
+        QUICK + outputs(tmp_path, f"node{node}") + ["--snapshot-dir", str(folder), "--log-file", ""]
+        for node, folder in enumerate(folders)
+    ]
     results = finish_all(start_nodes(node_args, env=env), timeout=120)
     out = "".join(out for _, out in results)
     assert all(code != 0 for code, _ in results), out[-6000:]

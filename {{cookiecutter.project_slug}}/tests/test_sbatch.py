@@ -1,4 +1,4 @@
-"""scripts/train.sbatch, run by bash under stand-ins for srun, scontrol and scancel that record what it asks of SLURM."""
+"""scripts/train.sbatch, run by bash under stand-ins for srun, scontrol and scancel recording what it asks of SLURM."""
 
 import os
 import signal
@@ -6,8 +6,8 @@ import subprocess
 import time
 
 import pytest
-
 from conftest import ROOT, wait_for
+
 from {{ cookiecutter.project_slug }} import baked
 
 SCRIPT = ROOT / "scripts" / "train.sbatch"
@@ -45,12 +45,20 @@ def slurm(tmp_path):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "NPROC_PER_NODE"}
-    env.update({
-        "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}",
-        "FAKE_SLURM": str(tmp_path), "FAKE_NODES": "gpu-a01 gpu-a02",
-        "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu-a[01-02]",
-        "SLURM_GPUS_ON_NODE": "4", "SLURM_CPUS_PER_TASK": "16", "SLURM_SUBMIT_DIR": str(ROOT),
-    })
+    env.update(
+        {
+            "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}",
+            "FAKE_SLURM": str(tmp_path),
+            "FAKE_NODES": "gpu-a01 gpu-a02",
+            "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NAME": "train",
+            "SLURM_NNODES": "2",
+            "SLURM_JOB_NODELIST": "gpu-a[01-02]",
+            "SLURM_GPUS_ON_NODE": "4",
+            "SLURM_CPUS_PER_TASK": "16",
+            "SLURM_SUBMIT_DIR": str(ROOT),
+        }
+    )
     return env
 
 
@@ -64,7 +72,7 @@ def calls(tmp_path):
 
 
 def torchrun_command(args):
-    return args[args.index("torchrun"):]
+    return args[args.index("torchrun") :]
 
 
 def test_script_parses():
@@ -72,24 +80,38 @@ def test_script_parses():
 
 
 def test_one_torchrun_per_node_with_the_rendezvous_on_the_first(slurm, tmp_path):
-    result = subprocess.run(["bash", str(SCRIPT), "--epochs", "5", "--lr", "0.001"], env=slurm,
-                            capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        ["bash", str(SCRIPT), "--epochs", "5", "--lr", "0.001"], env=slurm, capture_output=True, text=True, timeout=30
+    )
     assert result.returncode == 0, result.stderr
     args = srun_args(tmp_path)
-    assert args[:args.index("torchrun")] == ["--nodes=2", "--ntasks-per-node=1", "--label"]
+    assert args[: args.index("torchrun")] == ["--nodes=2", "--ntasks-per-node=1", "--label"]
     assert torchrun_command(args) == [
-        "torchrun", "--nnodes=2", "--nproc_per_node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=gpu-a01:24242",
-        "--rdzv-id=4242", "--max-restarts=3", "train.py", "--epochs", "5", "--lr", "0.001",
+        "torchrun",
+        "--nnodes=2",
+        "--nproc_per_node=4",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=gpu-a01:24242",
+        "--rdzv-id=4242",
+        "--max-restarts=3",
+        "train.py",
+        "--epochs",
+        "5",
+        "--lr",
+        "0.001",
     ]
     assert "scontrol show hostnames gpu-a[01-02]" in calls(tmp_path)
     assert not any("requeue" in call for call in calls(tmp_path))  # a finished job is not requeued
 
 
-@pytest.mark.parametrize("gpus, expected", [
-    ({"SLURM_GPUS_PER_NODE": "h100:8"}, 8),  # --gpus-per-node=h100:8
-    ({}, baked.NPROC_PER_NODE),  # CPU nodes: the project's ranks per machine
-    ({"SLURM_GPUS_ON_NODE": "4", "NPROC_PER_NODE": "1"}, 1),  # chosen by hand
-])
+@pytest.mark.parametrize(
+    "gpus, expected",
+    [
+        ({"SLURM_GPUS_PER_NODE": "h100:8"}, 8),  # --gpus-per-node=h100:8
+        ({}, baked.NPROC_PER_NODE),  # CPU nodes: the project's ranks per machine
+        ({"SLURM_GPUS_ON_NODE": "4", "NPROC_PER_NODE": "1"}, 1),  # chosen by hand
+    ],
+)
 def test_ranks_per_node_follow_the_allocation(slurm, tmp_path, gpus, expected):
     del slurm["SLURM_GPUS_ON_NODE"]
     slurm.update(gpus)
@@ -106,7 +128,9 @@ def test_a_failed_run_fails_the_job(slurm, tmp_path):
 
 def start_job(slurm, tmp_path):
     slurm["FAKE_SRUN_STAYS"] = "1"
-    job = subprocess.Popen(["bash", str(SCRIPT)], env=slurm, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = subprocess.Popen(
+        ["bash", str(SCRIPT)], env=slurm, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     wait_for(lambda: (tmp_path / "srun.pid").exists(), timeout=20, what="srun to start")
     return job
 

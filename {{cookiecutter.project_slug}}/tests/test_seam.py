@@ -10,15 +10,14 @@ import sys
 
 import pytest
 import torch
-
-from conftest import ROOT, child_env, run, start, finish, train_cmd
+from conftest import ROOT, run, train_cmd
 
 sys.path.insert(0, str(ROOT))
 
-from {{ cookiecutter.project_slug }} import config, model, trainer  # noqa: E402
-from {{ cookiecutter.project_slug }}.data import build_datasets  # noqa: E402
-from {{ cookiecutter.project_slug }}.distributed import DistEnv  # noqa: E402
-from {{ cookiecutter.project_slug }}.snapshot import Snapshots, capture_rng, load_latest  # noqa: E402
+from {{ cookiecutter.project_slug }} import config, model, trainer
+from {{ cookiecutter.project_slug }}.data import build_datasets
+from {{ cookiecutter.project_slug }}.distributed import DistEnv
+from {{ cookiecutter.project_slug }}.snapshot import Snapshots, capture_rng, load_latest
 
 FAST = ["--wandb", "disabled", "--log-every", "5"]
 
@@ -26,8 +25,16 @@ FAST = ["--wandb", "disabled", "--log-every", "5"]
 def files(tmp_path, name="run"):
     """Every file a run writes, in its own folder under tmp_path."""
     folder = tmp_path / name
-    return ["--snapshot-dir", str(folder / "snapshots"), "--log-file", str(folder / "train.log"),
-            "--metrics-file", str(folder / "metrics.jsonl"), "--export-dir", str(folder / "export")]
+    return [
+        "--snapshot-dir",
+        str(folder / "snapshots"),
+        "--log-file",
+        str(folder / "train.log"),
+        "--metrics-file",
+        str(folder / "metrics.jsonl"),
+        "--export-dir",
+        str(folder / "export"),
+    ]
 
 
 def summary(tmp_path, name="run"):
@@ -43,6 +50,7 @@ def cfg_of(*args):
 
 
 # The data position and the schedule, in process.
+
 
 class Indices(torch.utils.data.Dataset):
     """A dataset whose items are their own indices, to see which samples a step takes."""
@@ -76,7 +84,7 @@ def test_k_steps_take_exactly_the_first_k_global_batches_of_the_epoch_order(worl
     per_epoch = 101 // global_batch
     taken, progress = steps_taken(dataset, cfg, world_size, trainer.Progress(), per_epoch + 2)
     for step in range(per_epoch):
-        assert sorted(taken[step]) == sorted(order[step * global_batch:(step + 1) * global_batch])
+        assert sorted(taken[step]) == sorted(order[step * global_batch : (step + 1) * global_batch])
     # The epoch's leftover (101 is no multiple of the global batch) is skipped; the next epoch has its own order.
     next_order = torch.randperm(101, generator=torch.Generator().manual_seed(cfg.seed + 1)).tolist()
     assert sorted(taken[per_epoch]) == sorted(next_order[:global_batch])
@@ -93,7 +101,7 @@ def test_the_run_length_and_the_schedule_are_kept_in_samples_across_world_sizes(
     length = trainer.RunLength(cfg, step_samples=32, train_size=10_000)
     assert length.lr(0) == pytest.approx(0.001) and length.lr(9 * 32) == pytest.approx(0.01)
     assert length.lr(10 * 32) == pytest.approx(0.01) and length.lr(60 * 32) == pytest.approx(0.001)
-    assert all(length.lr(a) >= length.lr(b) for a, b in zip(range(320, 1920, 32), range(352, 1952, 32)))
+    assert all(length.lr(a) >= length.lr(b) for a, b in zip(range(320, 1920, 32), range(352, 1952, 32), strict=True))
     # 20 steps of 32 samples done; on 2 ranks the 40 steps of 32 left are 20 steps of 64.
     assert length.steps(trainer.Progress(step=20, samples_seen=640), global_batch=64) == 40
     assert length.steps(trainer.Progress(step=30, samples_seen=1280), global_batch=32) == 50
@@ -103,11 +111,16 @@ def test_the_run_length_and_the_schedule_are_kept_in_samples_across_world_sizes(
 
 # Evaluation and export, for real.
 
+
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("seam")
-    run(train_cmd(2) + FAST + ["--max-steps", "30", "--eval-every", "10", "--snapshot-every", "10", "--clip-grad", "5"]
-        + files(tmp_path))
+    run(
+        train_cmd(2)
+        + FAST
+        + ["--max-steps", "30", "--eval-every", "10", "--snapshot-every", "10", "--clip-grad", "5"]
+        + files(tmp_path)
+    )
     return tmp_path
 
 
@@ -167,6 +180,7 @@ def test_metrics_file_has_one_record_per_logged_step(two_rank_run):
 
 # Resume control.
 
+
 def test_a_finished_run_launched_again_says_so_with_its_real_last_loss(tmp_path):
     cmd = train_cmd() + FAST + ["--max-steps", "10"] + files(tmp_path)
     run(cmd)
@@ -192,8 +206,15 @@ def test_changed_lr_and_weight_decay_apply_on_resume(tmp_path):
 def write_snapshot_of_another_model(folder):
     snapshots = Snapshots(folder, DistEnv(), keep=3)
     snapshots.prepare(estimated_bytes=1)
-    state = {"model": {"some_other_layer.weight": torch.zeros(3, 3)}, "optimizer": {}, "scaler": {}, "step": 5,
-             "progress": {"step": 5}, "config": {}, "run_id": "x"}
+    state = {
+        "model": {"some_other_layer.weight": torch.zeros(3, 3)},
+        "optimizer": {},
+        "scaler": {},
+        "step": 5,
+        "progress": {"step": 5},
+        "config": {},
+        "run_id": "x",
+    }
     snapshots.save(5, state, {"rng": capture_rng()}, blocking=True)
     snapshots.close()
 
@@ -249,8 +270,20 @@ train.main(sys.argv[1:])
 def test_a_loss_that_turns_nan_stops_the_run_before_a_snapshot_of_it(tmp_path):
     script = tmp_path / "nan_after.py"
     script.write_text(NAN_AFTER.format(root=str(ROOT), package="{{ cookiecutter.project_slug }}", after=23))
-    cmd = [sys.executable, str(script), "--wandb", "disabled", "--max-steps", "40", "--log-every", "10",
-           "--snapshot-every", "5", "--eval-every", "0"] + files(tmp_path)
+    cmd = [
+        sys.executable,
+        str(script),
+        "--wandb",
+        "disabled",
+        "--max-steps",
+        "40",
+        "--log-every",
+        "10",
+        "--snapshot-every",
+        "5",
+        "--eval-every",
+        "0",
+    ] + files(tmp_path)
     result = run(cmd, check=False)
     assert result.returncode == 2, result.stdout[-3000:]
     assert "Traceback" not in result.stdout
@@ -275,8 +308,18 @@ train.main(sys.argv[1:])
 def test_compile_trains_and_snapshots_keep_the_unwrapped_names(tmp_path):
     script = tmp_path / "eager_compile.py"
     script.write_text(EAGER_COMPILE.format(root=str(ROOT)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *FAST,
-           "--compile", "--snapshot-every", "6"] + files(tmp_path)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(script),
+        *FAST,
+        "--compile",
+        "--snapshot-every",
+        "6",
+    ] + files(tmp_path)
     run(cmd + ["--max-steps", "6"])
     run(cmd + ["--max-steps", "12"])
     done = summary(tmp_path)

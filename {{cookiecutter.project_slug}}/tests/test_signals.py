@@ -18,8 +18,16 @@ LONG = ["--wandb", "disabled", "--log-every", "5", "--max-steps", "3000", "--sna
 
 def files(tmp_path, name="run"):
     folder = tmp_path / name
-    return ["--snapshot-dir", str(folder / "snapshots"), "--log-file", str(folder / "train.log"),
-            "--metrics-file", str(folder / "metrics.jsonl"), "--export-dir", str(folder / "export")]
+    return [
+        "--snapshot-dir",
+        str(folder / "snapshots"),
+        "--log-file",
+        str(folder / "train.log"),
+        "--metrics-file",
+        str(folder / "metrics.jsonl"),
+        "--export-dir",
+        str(folder / "export"),
+    ]
 
 
 def logged_steps(tmp_path, name="run"):

@@ -10,15 +10,22 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
 
-from {{ cookiecutter.project_slug }} import snapshot  # noqa: E402
-from {{ cookiecutter.project_slug }}.distributed import DistEnv  # noqa: E402
-from {{ cookiecutter.project_slug }}.snapshot import (  # noqa: E402
-    MANIFEST, RUN_FILE, SHARED, SnapshotError, Snapshots, load_latest, manifest_digest, rank_file, step_name,
+from {{ cookiecutter.project_slug }} import snapshot
+from {{ cookiecutter.project_slug }}.distributed import DistEnv
+from {{ cookiecutter.project_slug }}.snapshot import (
+    MANIFEST,
+    RUN_FILE,
+    SHARED,
+    SnapshotError,
+    Snapshots,
+    load_latest,
+    manifest_digest,
+    rank_file,
+    step_name,
     write_atomic,
 )
 
@@ -50,8 +57,11 @@ def resume(folder):
 
 def file_digests(folder):
     """{relative path: sha256} of every file under folder."""
-    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
-            for path in sorted(folder.rglob("*")) if path.is_file()}
+    return {
+        str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
 
 
 def flip_one_bit(path):
@@ -74,12 +84,15 @@ def test_empty_folder_has_no_snapshot(tmp_path):
     assert load_latest(str(tmp_path / "nothing-here")) is None
 
 
-@pytest.mark.parametrize("damage, reason", [
-    (lambda p: p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 2]), "truncated"),
-    (lambda p: p.write_bytes(b""), "empty"),
-    (flip_one_bit, "checksum mismatch"),
-    (os.remove, "missing"),
-])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda p: p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 2]), "truncated"),
+        (lambda p: p.write_bytes(b""), "empty"),
+        (flip_one_bit, "checksum mismatch"),
+        (os.remove, "missing"),
+    ],
+)
 def test_damaged_newest_snapshot_falls_back_with_a_warning(tmp_path, caplog, damage, reason):
     save_steps(tmp_path, [10, 20])
     damaged = tmp_path / step_name(20) / SHARED
@@ -167,6 +180,7 @@ def test_run_id_survives_restarts(tmp_path):
 
 # -- the manifest: its whole shape and its own checksum ------------------------------------------------------------
 
+
 def edit_manifest(path, change, reseal):
     manifest = json.loads(path.read_text())
     change(manifest)
@@ -211,9 +225,11 @@ MANIFEST_DAMAGE = {
     "step negative": lambda p: edit_manifest(p, set_field("step", -20), reseal=True),
     "world_size zero": lambda p: edit_manifest(p, set_field("world_size", 0), reseal=True),
     "a file more than the ranks": lambda p: edit_manifest(
-        p, set_entry("rank-00007.pt", {"size": 1, "sha256": "0" * 64}), reseal=True),
-    "sha256 not hex": lambda p: edit_manifest(p, lambda m: m["files"][SHARED].__setitem__("sha256", "z" * 64),
-                                              reseal=True),
+        p, set_entry("rank-00007.pt", {"size": 1, "sha256": "0" * 64}), reseal=True
+    ),
+    "sha256 not hex": lambda p: edit_manifest(
+        p, lambda m: m["files"][SHARED].__setitem__("sha256", "z" * 64), reseal=True
+    ),
     "job not a string": lambda p: edit_manifest(p, set_field("job", 7), reseal=True),
     "no checksum": lambda p: edit_manifest(p, lambda m: m.pop("manifest_sha256"), reseal=False),
     "a list, not an object": lambda p: p.write_text("[1, 2]"),
@@ -247,6 +263,7 @@ def test_manifest_checksums_itself_and_names_the_job(tmp_path, monkeypatch):
 
 # -- odd things in the folder ---------------------------------------------------------------------------------------
 
+
 def test_folder_with_nine_digits_is_not_a_snapshot(tmp_path):
     save_steps(tmp_path, [10, 20])
     impostor = tmp_path / "step-000000040"  # 9 digits: step_name(40) is step-00000040
@@ -271,14 +288,18 @@ def test_start_up_removes_what_interrupted_start_ups_left(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine" and load_latest(str(tmp_path))["step"] == 10
 
 
-@pytest.mark.parametrize("make", [
-    lambda path: path.write_text('["abc"]'),
-    lambda path: path.write_text('{"run_id": 12345}'),
-    lambda path: path.write_text('{"other": "abc"}'),
-    lambda path: path.write_text('{"run_id": "a/b"}'),
-    lambda path: path.write_text("{not json"),
-    lambda path: path.mkdir(),
-], ids=["a list", "run_id not a string", "no run_id", "run_id wandb refuses", "not JSON", "a folder"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda path: path.write_text('["abc"]'),
+        lambda path: path.write_text('{"run_id": 12345}'),
+        lambda path: path.write_text('{"other": "abc"}'),
+        lambda path: path.write_text('{"run_id": "a/b"}'),
+        lambda path: path.write_text("{not json"),
+        lambda path: path.mkdir(),
+    ],
+    ids=["a list", "run_id not a string", "no run_id", "run_id wandb refuses", "not JSON", "a folder"],
+)
 def test_odd_run_file_is_one_clear_error(tmp_path, make):
     make(tmp_path / RUN_FILE)
     snapshots = Snapshots(tmp_path, DistEnv(), keep=3)
@@ -323,6 +344,7 @@ def test_disk_full_during_a_save_says_so(tmp_path, monkeypatch):
 
 
 # -- a fresh start (--resume never) --------------------------------------------------------------------------------
+
 
 def test_fresh_start_moves_the_old_snapshots_aside_intact(tmp_path, caplog):
     folder = tmp_path / "snapshots"

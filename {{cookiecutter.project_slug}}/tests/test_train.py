@@ -8,9 +8,19 @@ import re
 import sys
 
 import torch
-
-from conftest import (QUICK, ROOT, assert_same_weights, child_env, default_datasets, final_model, metrics, outputs,
-                      run, summary, train_cmd)
+from conftest import (
+    QUICK,
+    ROOT,
+    assert_same_weights,
+    child_env,
+    default_datasets,
+    final_model,
+    metrics,
+    outputs,
+    run,
+    summary,
+    train_cmd,
+)
 
 INFO_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d INFO \[rank (\d+)\] (.*)$", re.M)
 
@@ -22,7 +32,10 @@ def test_single_process_trains_and_summarizes(tmp_path):
     assert done["last_loss"] < done["first_loss"], done
     assert not done["already_complete"] and done["stop_signal"] == 0
     assert sorted(p.name for p in (tmp_path / "run-snapshots").glob("step-*")) == [
-        "step-00000010", "step-00000020", "step-00000030"]
+        "step-00000010",
+        "step-00000020",
+        "step-00000030",
+    ]
     # One metrics record per logged step; evaluation at the end joins the last one when there is validation data.
     records = metrics(tmp_path)
     assert [r["step"] for r in records] == [5, 10, 15, 20, 25, 30]
@@ -58,7 +71,7 @@ def test_error_on_rank_1_reaches_console_tagged_and_torchrun_summary(tmp_path):
     assert "Traceback" in result.stdout
     assert "RuntimeError: injected failure on rank 1 at step 5" in result.stdout
     # torchrun's failure summary names the rank and its exception (from @record's error file).
-    torchrun_summary = result.stdout[result.stdout.find("Root Cause"):]
+    torchrun_summary = result.stdout[result.stdout.find("Root Cause") :]
     assert "rank      : 1" in torchrun_summary and "injected failure on rank 1" in torchrun_summary, torchrun_summary
     assert "[rank 1]" in (tmp_path / "run.log").read_text(), "other ranks' errors must reach the log file too"
     assert not (tmp_path / "run-export" / "summary.json").exists(), "a failed run does not summarize"
@@ -128,11 +141,14 @@ def test_second_launch_resumes_from_the_snapshot(tmp_path):
 
 
 def test_gradient_accumulation_skips_the_all_reduce_on_early_micro_steps(tmp_path):
-    cmd = train_cmd(nproc=2, script="tests/fault_injection.py") + QUICK + ["--max-steps", "6", "--snapshot-every", "100"]
+    cmd = (
+        train_cmd(nproc=2, script="tests/fault_injection.py") + QUICK + ["--max-steps", "6", "--snapshot-every", "100"]
+    )
     counts = {}
     for accum in (1, 4):
-        result = run(cmd + ["--grad-accum", str(accum)] + outputs(tmp_path, f"accum{accum}"),
-                     env=child_env(COUNT_ALLREDUCE=1))
+        result = run(
+            cmd + ["--grad-accum", str(accum)] + outputs(tmp_path, f"accum{accum}"), env=child_env(COUNT_ALLREDUCE=1)
+        )
         counts[accum] = int(re.search(r"gradient all-reduces: (\d+)", result.stdout).group(1))
     assert counts[1] > 0 and counts[4] == counts[1], counts
 

@@ -7,9 +7,9 @@ import signal
 import sys
 
 import pytest
-
 from conftest import PACKAGE, ROOT, finish, outputs, run, start, train_cmd, wait_for, worker_pids
 from test_debug import configuration, launch_json, load_jsonc, resolve
+
 from {{ cookiecutter.project_slug }} import baked, plot
 from {{ cookiecutter.project_slug }}.snapshot import load_latest
 
@@ -23,13 +23,25 @@ def records(text, level, rank):
 
 # A peer's death.
 
+
 def test_a_killed_peer_is_one_warning_on_the_surviving_rank(tmp_path):
     """Rank 1 is SIGKILLed mid-training: rank 0 says so in one warning, with no traceback, and the job fails."""
     rank_logs = tmp_path / "torchrun"  # torchrun's copy of each rank's own console output
     snapshots = tmp_path / "run-snapshots"
-    cmd = train_cmd(2, ["--max-restarts=0", "--tee=3", f"--log-dir={rank_logs}"]) + outputs(tmp_path) + [
-        "--wandb", "disabled", "--max-steps", "1000000", "--snapshot-every", "5",
-        "--log-file", str(tmp_path / "rank{rank}.log")]
+    cmd = (
+        train_cmd(2, ["--max-restarts=0", "--tee=3", f"--log-dir={rank_logs}"])
+        + outputs(tmp_path)
+        + [
+            "--wandb",
+            "disabled",
+            "--max-steps",
+            "1000000",
+            "--snapshot-every",
+            "5",
+            "--log-file",
+            str(tmp_path / "rank{rank}.log"),
+        ]
+    )
     job = start(cmd)
     try:
         pids = wait_for(lambda: len(worker_pids(job.pid)) == 2 and worker_pids(job.pid), what="two workers")
@@ -56,20 +68,24 @@ def test_a_killed_peer_is_one_warning_on_the_surviving_rank(tmp_path):
 
 # The loss curve.
 
+
 def write_lines(path, lines):
     path.write_text("".join(line + "\n" for line in lines[:-1]) + lines[-1])  # the last one cut mid-write
     return path
 
 
 def test_metrics_reader_skips_a_cut_line_and_keeps_the_newest_record_of_a_redone_step(tmp_path):
-    metrics = write_lines(tmp_path / "metrics.jsonl", [
-        json.dumps({"step": 10, "loss": 2.0, "lr": 0.1}),
-        json.dumps({"step": 20, "loss": 1.5}),
-        "[1, 2]",  # valid JSON, not a record
-        json.dumps({"step": 20, "loss": 1.25, "val_loss": 1.5, "val_accuracy": 0.5}),  # redone after a resume
-        json.dumps({"step": 30, "loss": float("nan")}),
-        '{"step": 40, "loss": 0.',
-    ])
+    metrics = write_lines(
+        tmp_path / "metrics.jsonl",
+        [
+            json.dumps({"step": 10, "loss": 2.0, "lr": 0.1}),
+            json.dumps({"step": 20, "loss": 1.5}),
+            "[1, 2]",  # valid JSON, not a record
+            json.dumps({"step": 20, "loss": 1.25, "val_loss": 1.5, "val_accuracy": 0.5}),  # redone after a resume
+            json.dumps({"step": 30, "loss": float("nan")}),
+            '{"step": 40, "loss": 0.',
+        ],
+    )
     records_read = plot.read_metrics(metrics)
     assert [r["step"] for r in records_read] == [10, 20, 30]
     assert plot.curves(records_read) == {"loss": ([10, 20], [2.0, 1.25]), "val_loss": ([20], [1.5])}
@@ -80,8 +96,22 @@ def test_plot_draws_the_curves_of_a_real_run(tmp_path):
     from matplotlib.image import imread
 
     metrics, png = tmp_path / "metrics.jsonl", tmp_path / "plots" / "loss.png"
-    run(train_cmd(2) + outputs(tmp_path) + ["--wandb", "disabled", "--max-steps", "40", "--log-every", "5",
-                                            "--eval-every", "20", "--metrics-file", str(metrics)])
+    run(
+        train_cmd(2)
+        + outputs(tmp_path)
+        + [
+            "--wandb",
+            "disabled",
+            "--max-steps",
+            "40",
+            "--log-every",
+            "5",
+            "--eval-every",
+            "20",
+            "--metrics-file",
+            str(metrics),
+        ]
+    )
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     train_steps = [r["step"] for r in lines if "loss" in r]
     val_steps = [r["step"] for r in lines if "val_loss" in r]
@@ -100,10 +130,13 @@ def test_plot_draws_the_curves_of_a_real_run(tmp_path):
 
 def test_plot_without_matplotlib_says_how_to_get_it(tmp_path):
     metrics = write_lines(tmp_path / "metrics.jsonl", [json.dumps({"step": 1, "loss": 1.0}), ""])
-    hide_matplotlib = (f"import sys; sys.modules['matplotlib'] = None; from {PACKAGE} import plot; "
-                       f"sys.exit(plot.main(sys.argv[1:]))")
-    result = run([sys.executable, "-c", hide_matplotlib, "--metrics-file", str(metrics),
-                  "--out", str(tmp_path / "loss.png")], check=False)
+    hide_matplotlib = (
+        f"import sys; sys.modules['matplotlib'] = None; from {PACKAGE} import plot; sys.exit(plot.main(sys.argv[1:]))"
+    )
+    result = run(
+        [sys.executable, "-c", hide_matplotlib, "--metrics-file", str(metrics), "--out", str(tmp_path / "loss.png")],
+        check=False,
+    )
     assert result.returncode == 1
     assert "pip install matplotlib" in result.stdout and "Traceback" not in result.stdout
     assert len(result.stdout.strip().splitlines()) == 1, result.stdout
@@ -119,6 +152,7 @@ def test_plot_names_a_missing_metrics_file(tmp_path):
 
 
 # VSCode: the rank picker and the GPUs of a debug run.
+
 
 def shown_by_vscode(option):
     """How VSCode's quick pick shows a pickString option: "label: value", or the value alone (VSCode's

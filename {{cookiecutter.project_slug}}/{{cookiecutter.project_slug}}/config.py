@@ -61,8 +61,11 @@ class Rules:
             return "must not be empty"
         if isinstance(value, float) and self.finite and not math.isfinite(value):
             return f"must be a finite number, got {value}"
-        bounds = [(sign, bound) for sign, bound in ((">=", self.min), (">", self.above), ("<=", self.max),
-                                                    ("<", self.below)) if bound is not None]
+        bounds = [
+            (sign, bound)
+            for sign, bound in ((">=", self.min), (">", self.above), ("<=", self.max), ("<", self.below))
+            if bound is not None
+        ]
         if all(COMPARISONS[sign](value, bound) for sign, bound in bounds):  # nan fails every comparison
             return None
         allowed = " and ".join(f"{sign} {bound}" for sign, bound in bounds)
@@ -74,9 +77,19 @@ class RunError(Exception):
     """A problem the user fixes (settings, data, machine, an unfitting snapshot): reported as one line, no traceback."""
 
 
-def option(default: Any, help: str, *, choices: Sequence | None = None, min: float | None = None,
-           max: float | None = None, above: float | None = None, below: float | None = None, nonempty: bool = False,
-           finite: bool = True, reason: str = "") -> Any:
+def option(
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence | None = None,
+    min: float | None = None,
+    max: float | None = None,
+    above: float | None = None,
+    below: float | None = None,
+    nonempty: bool = False,
+    finite: bool = True,
+    reason: str = "",
+) -> Any:
     """A config field: its default, its help text (shown by --help; write % as %%) and the values it accepts."""
     rules = Rules(tuple(choices) if choices is not None else None, min, max, above, below, nonempty, finite, reason)
     return field(default=default, metadata={"help": help, "rules": rules})
@@ -111,11 +124,16 @@ class Config:
     val_size: int = option(2048, "validation samples of the demo dataset; 0 = no evaluation", min=0)
     # --- end of demo settings ---
     # Snapshots (fault tolerance).
-    snapshot_dir: str = option("snapshots", "folder for snapshots; a run resumes from the newest good one in it",
-                               nonempty=True)
+    snapshot_dir: str = option(
+        "snapshots", "folder for snapshots; a run resumes from the newest good one in it", nonempty=True
+    )
     snapshot_every: int = option(100, "save a snapshot every this many optimizer steps (and always at the end)", min=1)
-    keep_snapshots: int = option(3, "snapshots to keep (>= 2: the newest may be mid-write when a job dies)", min=2,
-                                 reason="the newest snapshot may be mid-write when a job dies")
+    keep_snapshots: int = option(
+        3,
+        "snapshots to keep (>= 2: the newest may be mid-write when a job dies)",
+        min=2,
+        reason="the newest snapshot may be mid-write when a job dies",
+    )
     resume: str = option(
         "auto",
         "auto: continue from the newest good snapshot in --snapshot-dir; never: start from scratch, moving what the "
@@ -139,12 +157,15 @@ class Config:
     # Distributed.
     backend: str = option(baked.BACKEND, "process group backend: auto = nccl with CUDA, else gloo", choices=BACKENDS)
     dist_timeout: float = option(
-        600.0, "seconds a collective may wait for a rank before the job fails (long while debugging)",
-        above=0, max=7 * 24 * 3600,
+        600.0,
+        "seconds a collective may wait for a rank before the job fails (long while debugging)",
+        above=0,
+        max=7 * 24 * 3600,
     )
     threads_per_rank: int = option(0, "CPU threads per rank; 0 = this machine's cores / ranks on it", min=0)
     deterministic: bool = option(
-        False, "deterministic algorithms only (cuBLAS, cuDNN): the same bits from the same inputs on the same GPU, "
+        False,
+        "deterministic algorithms only (cuBLAS, cuDNN): the same bits from the same inputs on the same GPU, "
         "which a bitwise resume on GPUs needs; slower, and an operation without one fails",
     )
 
@@ -198,12 +219,22 @@ def settings(config_cls: type) -> list[Setting]:
             optional = len(rest) < len(typing.get_args(hint))
             hint = rest[0] if optional and len(rest) == 1 else hint
         if hint not in SCALARS:
-            raise TypeError(f"{config_cls.__name__}.{spec.name}: type {hints[spec.name]} is not supported "
-                            f"(use int, float, str, bool, or one of them | None)")
+            raise TypeError(
+                f"{config_cls.__name__}.{spec.name}: type {hints[spec.name]} is not supported "
+                f"(use int, float, str, bool, or one of them | None)"
+            )
         if spec.default is dataclasses.MISSING:
             raise TypeError(f"{config_cls.__name__}.{spec.name} needs a default")
-        found.append(Setting(spec.name, hint, optional, spec.default, spec.metadata.get("help", ""),
-                             spec.metadata.get("rules", Rules())))
+        found.append(
+            Setting(
+                spec.name,
+                hint,
+                optional,
+                spec.default,
+                spec.metadata.get("help", ""),
+                spec.metadata.get("rules", Rules()),
+            )
+        )
     return found
 
 
@@ -230,18 +261,33 @@ def build_parser(config_cls: type = Config) -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,  # a prefix must not quietly pick a flag (or hide --config from the first pass)
     )
-    parser.add_argument("--config", metavar="FILE", help="read settings from this TOML file (keys are setting names, "
-                        "e.g. batch_size = 64); flags on the command line override it")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="read settings from this TOML file (keys are setting names, "
+        "e.g. batch_size = 64); flags on the command line override it",
+    )
     for setting in settings(config_cls):
         if setting.type is bool:
-            parser.add_argument(flag(setting.name), dest=setting.name, action=argparse.BooleanOptionalAction,
-                                default=setting.default, help=setting.help)
+            parser.add_argument(
+                flag(setting.name),
+                dest=setting.name,
+                action=argparse.BooleanOptionalAction,
+                default=setting.default,
+                help=setting.help,
+            )
             continue
         choices = setting.rules.choices
         if choices is not None and setting.optional:
             choices = (*choices, None)
-        parser.add_argument(flag(setting.name), dest=setting.name, default=setting.default, help=setting.help,
-                            type=_or_none(setting.type) if setting.optional else setting.type, choices=choices)
+        parser.add_argument(
+            flag(setting.name),
+            dest=setting.name,
+            default=setting.default,
+            help=setting.help,
+            type=_or_none(setting.type) if setting.optional else setting.type,
+            choices=choices,
+        )
     return parser
 
 
@@ -258,8 +304,10 @@ def _from_toml(setting: Setting, value: Any) -> Any:
         return float(value)  # `lr = 1` means 1.0
     if type(value) is setting.type:  # exact: TOML true is not an integer
         return value
-    raise ValueError(f"must be {TYPE_WORDS[setting.type]}{' or none' if setting.optional else ''}, "
-                     f"got {_toml_kind(value)} ({value!r})")
+    raise ValueError(
+        f"must be {TYPE_WORDS[setting.type]}{' or none' if setting.optional else ''}, "
+        f"got {_toml_kind(value)} ({value!r})"
+    )
 
 
 def read_config_file(path: str, config_cls: type = Config) -> dict[str, Any]:
@@ -316,7 +364,9 @@ def parse_args(argv: Sequence[str] | None = None, config_cls: type[SettingsT] = 
             continue  # a default outside the choices means "decide at run time" (--wandb '')
         problem = setting.rules.problem(value)
         if problem:
-            in_file = setting.name in from_file and (from_file[setting.name] is value or from_file[setting.name] == value)
+            in_file = setting.name in from_file and (
+                from_file[setting.name] is value or from_file[setting.name] == value
+            )
             parser.error(f"{flag(setting.name)} {problem}" + (f" (set by {setting.name} in {path})" if in_file else ""))
     if isinstance(cfg, Config) and not cfg.wandb:
         cfg = dataclasses.replace(cfg, wandb=default_wandb_mode())

@@ -79,7 +79,8 @@ def _listen(env, note: str = "") -> None:
         print(
             f"[rank {env.rank}] WARNING: debugpy listens on {host}:{port}, reachable from other machines; "
             "whoever connects can run any code as you. Prefer 127.0.0.1 and an SSH tunnel.",
-            file=sys.stderr, flush=True,
+            file=sys.stderr,
+            flush=True,
         )
     os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # quiets the frozen-modules warning
     import debugpy
@@ -96,18 +97,24 @@ def _listen(env, note: str = "") -> None:
     debugpy.wait_for_client()
 
 
-def wait_for_debugger(env) -> None:
-    """If DEBUG_RANK names this rank, listen for a debugger and wait for it; then all ranks meet."""
+def wait_for_debugger(env) -> bool:
+    """If DEBUG_RANK names this rank, listen for a debugger and wait for it.
+
+    Returns True when DEBUG_RANK is in effect: the ranks must then meet at a barrier (distributed.init does it), so
+    that the ranks nobody debugs wait for the ones a debugger attaches to.
+    """
     if not os.environ.get("DEBUG_RANK") or os.environ.get("DEBUGPY_RUNNING"):
         if postmortem_requested() and not os.environ.get("DEBUGPY_RUNNING") and env.rank == 0:
-            print("WARNING: DEBUG_POSTMORTEM=1 does nothing without DEBUG_RANK: set DEBUG_RANK=all (or the ranks "
-                  "to catch) as well", file=sys.stderr, flush=True)
-        return
-    from . import distributed  # imported here: distributed imports this module
-
+            print(
+                "WARNING: DEBUG_POSTMORTEM=1 does nothing without DEBUG_RANK: set DEBUG_RANK=all (or the ranks "
+                "to catch) as well",
+                file=sys.stderr,
+                flush=True,
+            )
+        return False
     if _is_chosen(env) and not postmortem_requested():
         _listen(env)
-    distributed.barrier(env)
+    return True
 
 
 def post_mortem(env, exc: BaseException) -> None:

@@ -98,6 +98,10 @@ def _fresh_store(env, timeout):
     peer's address left by the failed attempt and fail in gloo's connectFullMesh (pytorch/pytorch#135712).
     Rank 0 therefore serves a new store on a free port and publishes its address in the agent's store; the
     other ranks skip addresses that no longer answer (left by an earlier attempt) until they reach it.
+
+    This can go, and init_process_group use torchrun's store again, once the torch versions this project
+    supports all start each restart with a fresh rendezvous store: torchrun 2.13 and 2.14 still reuse it
+    (pytorch/pytorch#135712) unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is set in the agent's environment.
     """
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -185,7 +189,11 @@ def init(env, cfg):
         timeout = collective_timeout(cfg)
         store = _fresh_store(env, timeout)
         dist.init_process_group(
-            backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,
+            backend,
+            store=store,
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
         env = DistEnv(env.rank, env.local_rank, env.world_size, env.local_world_size, backend, device)
@@ -195,9 +203,16 @@ def init(env, cfg):
             global _control_group
             _control_group = dist.new_group(backend="gloo", timeout=timeout)
     threads = set_cpu_threads(env, cfg.threads_per_rank) if device.type == "cpu" else torch.get_num_threads()
-    log.debug("rank %d of %d up: backend %s, device %s, %d CPU threads", env.rank, env.world_size, env.backend,
-              env.device, threads)
-    debug.wait_for_debugger(env)
+    log.debug(
+        "rank %d of %d up: backend %s, device %s, %d CPU threads",
+        env.rank,
+        env.world_size,
+        env.backend,
+        env.device,
+        threads,
+    )
+    if debug.wait_for_debugger(env):
+        barrier(env)  # the ranks nobody debugs wait here for those a debugger attaches to
     return env
 
 
@@ -218,6 +233,7 @@ def control_group():
 
 
 # Collectives that are no-ops in a single process, so callers need not ask. Control messages use CPU tensors.
+
 
 def barrier(env):
     if env.is_distributed:

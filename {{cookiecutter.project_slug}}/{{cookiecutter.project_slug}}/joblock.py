@@ -232,11 +232,19 @@ class JobLock:
         self._thread: threading.Thread | None = None
 
     def _record(self) -> bytes:
-        return json.dumps({
-            "host": socket.gethostname(), "boot_id": _boot_id(), "pid": os.getpid(),
-            "pid_started": _process_start(os.getpid()), "job": self.job, "started": self.started,
-            "heartbeat": time.time(), "owner": self.owner,
-        }, sort_keys=True).encode()
+        return json.dumps(
+            {
+                "host": socket.gethostname(),
+                "boot_id": _boot_id(),
+                "pid": os.getpid(),
+                "pid_started": _process_start(os.getpid()),
+                "job": self.job,
+                "started": self.started,
+                "heartbeat": time.time(),
+                "owner": self.owner,
+            },
+            sort_keys=True,
+        ).encode()
 
     def _temp(self, purpose: str) -> str:
         return f"{self.path}.tmp-{purpose}-{self.owner}"
@@ -275,8 +283,9 @@ class JobLock:
         if holder["owner"] == self.owner:
             return
         if holder["job"] and holder["job"] == self.job:
-            log.info("taking over the job lock %s from an earlier attempt of this job (%s)", self.path,
-                     describe(holder))
+            log.info(
+                "taking over the job lock %s from an earlier attempt of this job (%s)", self.path, describe(holder)
+            )
             return
         same_machine = holder["host"] == socket.gethostname() and holder.get("boot_id", "") == _boot_id()
         if same_machine:
@@ -285,8 +294,11 @@ class JobLock:
                 return
             started = holder.get("pid_started") if isinstance(holder.get("pid_started"), int) else None
             if not _process_alive(holder["pid"], started):
-                log.warning("taking over the job lock %s of a job that is gone (%s: no such process)", self.path,
-                            describe(holder))
+                log.warning(
+                    "taking over the job lock %s of a job that is gone (%s: no such process)",
+                    self.path,
+                    describe(holder),
+                )
                 return
             raise JobLockError(
                 f"the snapshot folder {self.directory} is in use by another job ({describe(holder)}, running): "
@@ -294,8 +306,12 @@ class JobLock:
             )
         age = _filesystem_now(self.directory) - info.st_mtime
         if age >= stale_s:
-            log.warning("taking over the job lock %s of a job that is gone (%s; no heartbeat for %.0f s)", self.path,
-                        describe(holder), age)
+            log.warning(
+                "taking over the job lock %s of a job that is gone (%s; no heartbeat for %.0f s)",
+                self.path,
+                describe(holder),
+                age,
+            )
             return
         raise JobLockError(
             f"the snapshot folder {self.directory} is in use by another job ({describe(holder)}, last heartbeat "
@@ -320,8 +336,9 @@ class JobLock:
                 current, _ = _read(self.path)
             except FileNotFoundError:
                 return False
-            same = current == holder if holder is None else (current is not None
-                                                             and current["owner"] == holder["owner"])
+            same = (
+                current == holder if holder is None else (current is not None and current["owner"] == holder["owner"])
+            )
             if not same:
                 return False
             temp = self._temp("replace")
@@ -365,8 +382,10 @@ class JobLock:
             try:
                 holder, _ = _read(self.path)
                 if holder is None or holder["owner"] != self.owner:
-                    self._lose(f"another job took over the snapshot folder {self.directory} "
-                               f"({describe(holder) if holder else 'its lock is damaged'})")
+                    self._lose(
+                        f"another job took over the snapshot folder {self.directory} "
+                        f"({describe(holder) if holder else 'its lock is damaged'})"
+                    )
                     return
                 temp = self._temp("beat")
                 _write_file(temp, self._record(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -418,20 +437,27 @@ def _set_parent_death_signal() -> bool:
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        result = libc.prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0),
-                            ctypes.c_ulong(0), ctypes.c_ulong(0))
+        result = libc.prctl(
+            ctypes.c_int(PR_SET_PDEATHSIG),
+            ctypes.c_ulong(signal.SIGKILL),
+            ctypes.c_ulong(0),
+            ctypes.c_ulong(0),
+            ctypes.c_ulong(0),
+        )
     except (OSError, AttributeError) as exc:
         log.debug("prctl is not available (%s): watching the parent process instead", exc)
         return False
     if result != 0:
-        log.debug("prctl(PR_SET_PDEATHSIG) failed (%s): watching the parent process instead",
-                  os.strerror(ctypes.get_errno()))
+        log.debug(
+            "prctl(PR_SET_PDEATHSIG) failed (%s): watching the parent process instead", os.strerror(ctypes.get_errno())
+        )
         return False
     return True
 
 
 def watch_parent(parent: int, interval: float = 1.0) -> threading.Thread:
     """A daemon thread that SIGKILLs this process once its parent is no longer `parent` (it died)."""
+
     def watch() -> None:
         while True:
             time.sleep(interval)

@@ -123,8 +123,10 @@ def _restart_note() -> str:
     done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     if done < restarts:
         return f"torchrun restarts the job from the newest snapshot (restart {done + 1} of {restarts})"
-    return (f"torchrun has no restarts left (--max-restarts={restarts}): run the same command again to resume "
-            "from the newest snapshot")
+    return (
+        f"torchrun has no restarts left (--max-restarts={restarts}): run the same command again to resume "
+        "from the newest snapshot"
+    )
 
 
 def log_failure(logger: logging.Logger, exc: BaseException) -> None:
@@ -141,8 +143,11 @@ def log_failure(logger: logging.Logger, exc: BaseException) -> None:
     if type(exc).__name__ == "BdbQuit" and type(exc).__module__ == "bdb":
         logger.warning("stopped from the debugger (pdb: quit)")
     elif (reason := lost_peer(exc)) is not None:
-        logger.warning("lost another rank (%s): it stopped, crashed or was killed, so this rank stops too; %s",
-                       reason, _restart_note())
+        logger.warning(
+            "lost another rank (%s): it stopped, crashed or was killed, so this rank stops too; %s",
+            reason,
+            _restart_note(),
+        )
         logger.debug("the error that told this rank", exc_info=exc)
     else:
         logger.error("training failed", exc_info=exc)

@@ -41,8 +41,11 @@ def curves(records: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
     """{metric: (steps, values)} for each loss curve present in the records; non-finite values left out."""
     found = {}
     for name, _ in CURVES:
-        points = [(r["step"], float(r[name])) for r in records
-                  if isinstance(r.get(name), (int, float)) and math.isfinite(r[name])]
+        points = [
+            (r["step"], float(r[name]))
+            for r in records
+            if isinstance(r.get(name), (int, float)) and math.isfinite(r[name])
+        ]
         if points:
             found[name] = ([step for step, _ in points], [value for _, value in points])
     return found
@@ -60,8 +63,14 @@ def draw(lines: dict[str, tuple[list[int], list[float]]], out: str | Path, title
     labels = dict(CURVES)
     for name, (steps, values) in lines.items():
         validation = name.startswith("val_")
-        axes.plot(steps, values, label=labels[name], marker="o" if validation else None,
-                  markersize=4, linewidth=1.5 if validation else 1.0)
+        axes.plot(
+            steps,
+            values,
+            label=labels[name],
+            marker="o" if validation else None,
+            markersize=4,
+            linewidth=1.5 if validation else 1.0,
+        )
     if all(value > 0 for _, values in lines.values() for value in values):
         axes.set_yscale("log")
         plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")  # 0.3, not 3x10^-1

@@ -25,6 +25,7 @@ job: then this is a restart of that job, and it resumes.
 
 import copy
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -84,6 +85,7 @@ def _step_of_folder(name):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Files: atomic writes with a checksum, and checked reads.
+
 
 class _HashingWriter:
     """A file wrapper that hashes what passes through it, so a file is checksummed as it is written."""
@@ -254,8 +256,11 @@ def list_steps(directory: str) -> tuple[list[int], list[int]]:
         step = _step_of_folder(name)
         if step is None:
             if STEP_DIR.match(name):
-                log.debug("ignoring %s: not a snapshot folder name (%s would be)", os.path.join(directory, name),
-                          step_name(int(name[len("step-"):])))
+                log.debug(
+                    "ignoring %s: not a snapshot folder name (%s would be)",
+                    os.path.join(directory, name),
+                    step_name(int(name[len("step-") :])),
+                )
             continue
         if not os.path.isdir(os.path.join(directory, name)):
             continue
@@ -301,12 +306,18 @@ def load_latest(directory: str, rank: int | None = None) -> dict | None:
 # ---------------------------------------------------------------------------------------------------------------
 # Per-rank random streams.
 
+
 def capture_rng() -> dict:
     keys_kind, keys, pos, has_gauss, cached = np.random.get_state()
     return {
         "python": random.getstate(),
-        "numpy": {"kind": keys_kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy": {
+            "kind": keys_kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
@@ -315,8 +326,15 @@ def capture_rng() -> dict:
 def restore_rng(state: dict) -> None:
     random.setstate(state["python"])
     numpy_state = state["numpy"]
-    np.random.set_state((numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
-                         numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
+    np.random.set_state(
+        (
+            numpy_state["kind"],
+            numpy_state["keys"].numpy().astype(np.uint32),
+            numpy_state["pos"],
+            numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -428,6 +446,7 @@ def _cuda_tensors(obj, path):
 # ---------------------------------------------------------------------------------------------------------------
 # The snapshot folder of a running job.
 
+
 def _errno_in_chain(error):
     """The first errno among an exception and those it was raised from or during (torch.save wraps the
     OSError of a failed write in a RuntimeError such as "[enforce fail at inline_container.cc] unexpected pos")."""
@@ -445,6 +464,13 @@ def _errno_in_chain(error):
 
 class Snapshots:
     """Saves and finds snapshots for one job. Every rank holds one; collectives are called on every rank.
+
+    Why not torch.distributed.checkpoint (DCP): under DDP every rank holds the whole model, so one file written by
+    rank 0 plus a small file per rank (its random streams) is all a snapshot needs, and DCP's sharded planning
+    adds nothing. What this class adds on top of torch.save is what DCP does not give: a commit marker written
+    after every rank's part, a checksum per file with fallback to the previous snapshot, copies taken off the
+    training thread, pruning, and one job per folder. Sharded training (FSDP) would write its shards with DCP
+    under the same commit marker.
 
     Rank 0 holds the folder's job lock from prepare() to close(): call close() when training ends, also after a
     failure (in a `finally`).
@@ -533,11 +559,18 @@ class Snapshots:
             write_json_atomic(os.path.join(self.directory, f".probe-{token}"), {"token": token})
             free = shutil.disk_usage(self.directory).free
             if free < estimated_bytes:
-                return (f"not enough room for a snapshot in {self.directory}: {free / 2**20:.0f} MiB free, one "
-                        f"snapshot needs about {estimated_bytes / 2**20:.0f} MiB"), token
+                return (
+                    f"not enough room for a snapshot in {self.directory}: {free / 2**20:.0f} MiB free, one "
+                    f"snapshot needs about {estimated_bytes / 2**20:.0f} MiB"
+                ), token
             if free < estimated_bytes * (self.keep + 1):
-                log.warning("%s has room for fewer than %d snapshots (%.0f MiB free, about %.0f MiB each)",
-                            self.directory, self.keep + 1, free / 2**20, estimated_bytes / 2**20)
+                log.warning(
+                    "%s has room for fewer than %d snapshots (%.0f MiB free, about %.0f MiB each)",
+                    self.directory,
+                    self.keep + 1,
+                    free / 2**20,
+                    estimated_bytes / 2**20,
+                )
             self._remove_interrupted_saves()
         except joblock.JobLockError as exc:
             return str(exc), token
@@ -552,8 +585,11 @@ class Snapshots:
         if not committed:
             return None
         if self.job and self._newest_job(committed) == self.job:
-            log.info("%s holds snapshots of this same torchrun job (%s): this is a restart, resuming from them",
-                     self.directory, self.job)
+            log.info(
+                "%s holds snapshots of this same torchrun job (%s): this is a restart, resuming from them",
+                self.directory,
+                self.job,
+            )
             return None
         aside = f"{self.directory}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
         candidate, suffix = aside, 1
@@ -563,17 +599,23 @@ class Snapshots:
         try:
             os.rename(self.directory, candidate)
         except OSError as exc:
-            return (f"cannot start afresh: moving {self.directory} aside to {candidate} failed "
-                    f"({exc.strerror or exc}); move or delete what it holds yourself, or resume from it with "
-                    "--resume auto")
+            return (
+                f"cannot start afresh: moving {self.directory} aside to {candidate} failed "
+                f"({exc.strerror or exc}); move or delete what it holds yourself, or resume from it with "
+                "--resume auto"
+            )
         os.makedirs(self.directory, exist_ok=True)
         self._lock.acquire()  # in the new, empty folder; the old lock file moved aside with the rest
         try:
             os.remove(os.path.join(candidate, joblock.LOCK_FILE))
         except FileNotFoundError:
             pass  # nothing to tidy
-        log.warning("starting afresh: moved what %s held (snapshots up to step %d) aside to %s", self.directory,
-                    committed[0], candidate)
+        log.warning(
+            "starting afresh: moved what %s held (snapshots up to step %d) aside to %s",
+            self.directory,
+            committed[0],
+            candidate,
+        )
         return None
 
     def _newest_job(self, committed):
@@ -624,8 +666,10 @@ class Snapshots:
             raise SnapshotError(f"{path} holds a JSON {type(content).__name__}, not an object with a run_id: {remedy}")
         run_id = content.get("run_id")
         if not isinstance(run_id, str) or not RUN_ID.match(run_id):
-            raise SnapshotError(f"{path} has run_id {_short(run_id)}, not a string of 1 to 128 letters, digits, "
-                                f"'_', '-' or '.': {remedy}")
+            raise SnapshotError(
+                f"{path} has run_id {_short(run_id)}, not a string of 1 to 128 letters, digits, "
+                f"'_', '-' or '.': {remedy}"
+            )
         return run_id
 
     def resume(self) -> dict | None:
@@ -706,8 +750,10 @@ class Snapshots:
         self._device_copies = device_copies
         self._copied.clear()
         self._thread = threading.Thread(
-            target=self._write, args=(step, shared, rank_state, device_copies),
-            name=f"snapshot-{step}", daemon=True,
+            target=self._write,
+            args=(step, shared, rank_state, device_copies),
+            name=f"snapshot-{step}",
+            daemon=True,
         )
         self._thread.start()
         if blocking:
@@ -750,8 +796,10 @@ class Snapshots:
             error, self._error = self._error, None
             code = _errno_in_chain(error)
             if code == errno.ENOSPC:
-                reason = (f"no space left on {self.directory}; free some space there or keep fewer snapshots "
-                          "(--keep-snapshots)")
+                reason = (
+                    f"no space left on {self.directory}; free some space there or keep fewer snapshots "
+                    "(--keep-snapshots)"
+                )
             elif code == errno.EDQUOT:
                 reason = f"disk quota exceeded on {self.directory}; free some space there or raise the quota"
             else:
@@ -773,7 +821,9 @@ class Snapshots:
             if shared is not None:
                 files[SHARED] = write_atomic(os.path.join(folder, SHARED), lambda f: torch.save(shared, f))
             rank = self.env.rank
-            files[rank_file(rank)] = write_atomic(os.path.join(folder, rank_file(rank)), lambda f: torch.save(rank_state, f))
+            files[rank_file(rank)] = write_atomic(
+                os.path.join(folder, rank_file(rank)), lambda f: torch.save(rank_state, f)
+            )
             write_json_atomic(os.path.join(folder, receipt_file(rank)), {"rank": rank, "files": files})
             if self.env.is_main:
                 self._commit(folder, step)
@@ -787,7 +837,7 @@ class Snapshots:
         deadline = time.monotonic() + self.commit_timeout
         for rank in range(self.env.world_size):
             path = os.path.join(folder, receipt_file(rank))
-            if not _eventually(lambda: os.path.exists(path), deadline - time.monotonic(), interval=0.01):
+            if not _eventually(functools.partial(os.path.exists, path), deadline - time.monotonic(), interval=0.01):
                 raise SnapshotError(
                     f"rank {rank}'s part of {folder} did not appear within {self.commit_timeout:.0f} s: is "
                     "--snapshot-dir a folder every machine shares?"
@@ -795,12 +845,21 @@ class Snapshots:
             with open(path, encoding="utf-8") as handle:
                 receipt = json.load(handle)
             expected = {rank_file(rank)} | ({SHARED} if rank == 0 else set())
-            if not isinstance(receipt, dict) or not isinstance(receipt.get("files"), dict) \
-                    or set(receipt["files"]) != expected:
+            if (
+                not isinstance(receipt, dict)
+                or not isinstance(receipt.get("files"), dict)
+                or set(receipt["files"]) != expected
+            ):
                 raise SnapshotError(f"{path} is not a receipt for rank {rank}'s files {sorted(expected)}")
             files.update(receipt["files"])
-        manifest = {"format": FORMAT, "step": step, "world_size": self.env.world_size, "files": files,
-                    "created": time.time(), "job": self.job}
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "world_size": self.env.world_size,
+            "files": files,
+            "created": time.time(),
+            "job": self.job,
+        }
         manifest["manifest_sha256"] = manifest_digest(manifest)
         problem = _manifest_problem(manifest, step)
         if problem:  # never commit what a reader would reject
@@ -815,7 +874,7 @@ class Snapshots:
 
     def _prune(self):
         committed, _ = list_steps(self.directory)
-        for step in committed[self.keep:]:
+        for step in committed[self.keep :]:
             folder = os.path.join(self.directory, step_name(step))
             os.remove(os.path.join(folder, MANIFEST))  # uncommit first: a half-removed folder is never loaded
             shutil.rmtree(folder, ignore_errors=True)

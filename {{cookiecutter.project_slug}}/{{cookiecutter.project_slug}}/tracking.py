@@ -128,8 +128,9 @@ def _plain(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def make_tracker(env, mode: str, project: str, run_id: str, config: dict, metrics_file: str = "",
-                 resumed_from: int = -1) -> Tracker:
+def make_tracker(
+    env, mode: str, project: str, run_id: str, config: dict, metrics_file: str = "", resumed_from: int = -1
+) -> Tracker:
     if not env.is_main:
         return Tracker()
     trackers: list[Tracker] = []

@@ -161,8 +161,8 @@ class ResumableSampler(DistributedSampler):
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(len(self.dataset), generator=generator)
-        order = order[self.start:self.start + self.steps() * self.num_replicas * self.samples_per_rank_step]
-        return iter(order[self.rank::self.num_replicas].tolist())
+        order = order[self.start : self.start + self.steps() * self.num_replicas * self.samples_per_rank_step]
+        return iter(order[self.rank :: self.num_replicas].tolist())
 
 
 class Batches:
@@ -179,8 +179,14 @@ class Batches:
         self.sampler = ResumableSampler(dataset, env, cfg.seed, cfg.batch_size * cfg.grad_accum)
         self.generator = torch.Generator()  # explicit, so starting an epoch never draws from the global RNG
         self.loader = DataLoader(
-            dataset, batch_size=cfg.batch_size, sampler=self.sampler, drop_last=True, num_workers=cfg.num_workers,
-            pin_memory=env.device.type == "cuda", persistent_workers=cfg.num_workers > 0, generator=self.generator,
+            dataset,
+            batch_size=cfg.batch_size,
+            sampler=self.sampler,
+            drop_last=True,
+            num_workers=cfg.num_workers,
+            pin_memory=env.device.type == "cuda",
+            persistent_workers=cfg.num_workers > 0,
+            generator=self.generator,
         )
         self._iterator, self._steps_left = None, 0
 
@@ -240,8 +246,9 @@ class StopRequest:
             self.stopped = bool(self._flag.item())
             self.signal = self.signal or int(self._flag.item())
         self._flag.fill_(self.signal)
-        self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=distributed.control_group(),
-                                        async_op=True)
+        self._pending = dist.all_reduce(
+            self._flag, op=dist.ReduceOp.MAX, group=distributed.control_group(), async_op=True
+        )
         return self.stopped
 
     def close(self) -> None:
@@ -302,8 +309,9 @@ class Trainer:
 
         self.ddp_model = self._wrap(self.model)
         self.batches = Batches(self.train_data, cfg, env, self.progress)
-        self.tracker = tracking.make_tracker(env, cfg.wandb, cfg.wandb_project, self.run_id, cfg.to_dict(),
-                                             cfg.metrics_file, self.resumed_from)
+        self.tracker = tracking.make_tracker(
+            env, cfg.wandb, cfg.wandb_project, self.run_id, cfg.to_dict(), cfg.metrics_file, self.resumed_from
+        )
         self.last_saved = self.resumed_from if self.resumed_from >= 0 else None
         self._loss_sum, self._loss_steps = torch.zeros((), device=env.device), 0
         self._grad_norm = torch.zeros((), device=env.device)
@@ -360,13 +368,24 @@ class Trainer:
         progress.last_loss = loss
         if math.isnan(progress.first_loss):
             progress.first_loss = loss
-        metrics = {"loss": loss, "lr": self.optimizer.param_groups[0]["lr"], "epoch": progress.epoch,
-                   "samples_per_s": self._loss_steps * self.global_batch / elapsed}
+        metrics = {
+            "loss": loss,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "epoch": progress.epoch,
+            "samples_per_s": self._loss_steps * self.global_batch / elapsed,
+        }
         if self.cfg.clip_grad:
             metrics["grad_norm"] = float(self._grad_norm)
-        log.info("step %d/%d  epoch %d  loss %.4f  lr %.2e  %.0f samples/s%s", progress.step, self.total_steps,
-                 progress.epoch, loss, metrics["lr"], metrics["samples_per_s"],
-                 f"  grad norm {metrics['grad_norm']:.3g}" if "grad_norm" in metrics else "")
+        log.info(
+            "step %d/%d  epoch %d  loss %.4f  lr %.2e  %.0f samples/s%s",
+            progress.step,
+            self.total_steps,
+            progress.epoch,
+            loss,
+            metrics["lr"],
+            metrics["samples_per_s"],
+            f"  grad norm {metrics['grad_norm']:.3g}" if "grad_norm" in metrics else "",
+        )
         self.tracker.log(metrics, progress.step)
         self._loss_sum.zero_()
         self._loss_steps, self._timer = 0, time.perf_counter()
@@ -386,11 +405,18 @@ class Trainer:
         distributed.broadcast_buffers(self.env, self.model)
         self.model.eval()
         shard = range(self.env.rank, len(self.val_data), self.env.world_size)
-        loader = DataLoader(self.val_data, batch_size=self.cfg.batch_size, sampler=shard,
-                            num_workers=self.cfg.num_workers, generator=torch.Generator())
+        loader = DataLoader(
+            self.val_data,
+            batch_size=self.cfg.batch_size,
+            sampler=shard,
+            num_workers=self.cfg.num_workers,
+            generator=torch.Generator(),
+        )
         sums: dict[str, torch.Tensor] = {}
-        with torch.no_grad(), torch.autocast(self.env.device.type, dtype=self.amp_dtype,
-                                             enabled=self.amp_dtype is not None):
+        with (
+            torch.no_grad(),
+            torch.autocast(self.env.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None),
+        ):
             for inputs, targets in loader:
                 inputs, targets = inputs.to(self.env.device), targets.to(self.env.device)
                 _add_batch_sums(sums, self.model(inputs), targets, self.val_metrics)
@@ -398,12 +424,16 @@ class Trainer:
         self.model.train()
         restore_rng(rng_state)
         names = distributed.broadcast_object(self.env, sorted(sums))  # rank 0 always has samples: it names them
-        totals = torch.stack([sums.get(name, torch.zeros((), dtype=torch.float64, device=self.env.device))
-                              for name in names])
+        totals = torch.stack(
+            [sums.get(name, torch.zeros((), dtype=torch.float64, device=self.env.device)) for name in names]
+        )
         totals = distributed.all_sum(self.env, totals).tolist()
         count = totals[names.index("count")]
-        results = {f"val_{name}": total / count for name, total in sorted(zip(names, totals), key=_loss_first)
-                   if name != "count"}
+        results = {
+            f"val_{name}": total / count
+            for name, total in sorted(zip(names, totals, strict=True), key=_loss_first)
+            if name != "count"
+        }
         self._record_evaluation(results, int(count), time.perf_counter() - started)
         return results
 
@@ -415,9 +445,16 @@ class Trainer:
         for name, buffer in self.model.named_buffers():
             if name in model_state:  # buffers change during forward (BatchNorm statistics): copy them now
                 model_state[name] = buffer.detach().clone()
-        shared = {"model": model_state, "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
-                  "step": self.progress.step, "progress": dataclasses.asdict(self.progress),
-                  "config": self.cfg.to_dict(), "run_id": self.run_id, "torch_version": str(torch.__version__)}
+        shared = {
+            "model": model_state,
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "step": self.progress.step,
+            "progress": dataclasses.asdict(self.progress),
+            "config": self.cfg.to_dict(),
+            "run_id": self.run_id,
+            "torch_version": str(torch.__version__),
+        }
         self.snapshots.save(self.progress.step, shared, {"rng": capture_rng()}, blocking=blocking)
         self.last_saved = self.progress.step
 
@@ -434,29 +471,50 @@ class Trainer:
         stop.close()
         stopped = stop.stopped
         if stopped:
-            self._warn_once("stopping at step %d of %d on signal %d: saving a snapshot; run the same command again to "
-                            "resume", self.progress.step, self.total_steps, stop.signal)
+            self._warn_once(
+                "stopping at step %d of %d on signal %d: saving a snapshot; run the same command again to resume",
+                self.progress.step,
+                self.total_steps,
+                stop.signal,
+            )
         if self.last_saved != self.progress.step:
             self.save_snapshot(blocking=True)
         self.snapshots.wait()
         if stopped and self.env.is_main:
-            write_json_atomic(os.path.join(self.snapshots.directory, STOP_RECORD),
-                              {"job": joblock.current_job(), "step": self.progress.step, "signal": stop.signal})
+            write_json_atomic(
+                os.path.join(self.snapshots.directory, STOP_RECORD),
+                {"job": joblock.current_job(), "step": self.progress.step, "signal": stop.signal},
+            )
         already_complete = self.resumed_from >= self.total_steps
         summary = self._summary(already_complete=already_complete, stop_signal=stop.signal if stopped else 0)
         if not stopped:
             self.export("model.pt")  # final weights only from a run that finished
         self._write_summary(summary)  # a stopped run's too, with its stop_signal
         if summary.already_complete:
-            log.info("already complete: %d of %d steps, last loss %.4f%s; nothing to train (raise --max-steps or "
-                     "--epochs to train on, or pass --resume never to start over)", summary.steps,
-                     summary.total_steps, summary.last_loss, _val_text(summary))
+            log.info(
+                "already complete: %d of %d steps, last loss %.4f%s; nothing to train (raise --max-steps or "
+                "--epochs to train on, or pass --resume never to start over)",
+                summary.steps,
+                summary.total_steps,
+                summary.last_loss,
+                _val_text(summary),
+            )
         elif not stopped:
-            log.info("done: %d rank(s), %d steps%s, loss %.4f -> %.4f%s", summary.world_size, summary.steps,
-                     f" (resumed at step {self.resumed_from})" if self.resumed_from >= 0 else "",
-                     summary.first_loss, summary.last_loss, _val_text(summary))
-        log.info("snapshots: %s (newest %s); exported weights: %s", summary.snapshot_dir, summary.newest_snapshot,
-                 os.path.abspath(self.cfg.export_dir))
+            log.info(
+                "done: %d rank(s), %d steps%s, loss %.4f -> %.4f%s",
+                summary.world_size,
+                summary.steps,
+                f" (resumed at step {self.resumed_from})" if self.resumed_from >= 0 else "",
+                summary.first_loss,
+                summary.last_loss,
+                _val_text(summary),
+            )
+        log.info(
+            "snapshots: %s (newest %s); exported weights: %s",
+            summary.snapshot_dir,
+            summary.newest_snapshot,
+            os.path.abspath(self.cfg.export_dir),
+        )
         return summary
 
     def close(self) -> None:
@@ -511,15 +569,20 @@ class Trainer:
         known = {spec.name for spec in dataclasses.fields(Progress)}
         self.progress = Progress(**{k: v for k, v in resumed["progress"].items() if k in known})
         self.resumed_from = self.progress.step
-        changed = [f"{key} {value!r} -> {getattr(self.cfg, key)!r}" for key, value in resumed["config"].items()
-                   if hasattr(self.cfg, key) and value != getattr(self.cfg, key)]
+        changed = [
+            f"{key} {value!r} -> {getattr(self.cfg, key)!r}"
+            for key, value in resumed["config"].items()
+            if hasattr(self.cfg, key) and value != getattr(self.cfg, key)
+        ]
         if changed:
             log.info("settings changed since %s was written (applied from now on): %s", folder, ", ".join(changed))
         if resumed["world_size"] != self.env.world_size:
             self._warn_once(
                 "the snapshot was written by %d rank(s) and this job has %d: model, optimizer and data position (by "
                 "samples seen) are restored and every rank's random streams are re-seeded, so this run will not "
-                "match an uninterrupted one bit for bit", resumed["world_size"], self.env.world_size,
+                "match an uninterrupted one bit for bit",
+                resumed["world_size"],
+                self.env.world_size,
             )
             return None
         return resumed["rank_state"]["rng"]
@@ -528,12 +591,22 @@ class Trainer:
         cfg, steps = self.cfg, self.total_steps
         log.info(
             "%s from step %d of %d: %d rank(s) x batch %d x accum %d = %d samples/step, %d parameters",
-            "resuming" if self.resumed_from >= 0 else "training", self.progress.step, steps, self.env.world_size,
-            cfg.batch_size, cfg.grad_accum, self.global_batch, sum(p.numel() for p in self.model.parameters()),
+            "resuming" if self.resumed_from >= 0 else "training",
+            self.progress.step,
+            steps,
+            self.env.world_size,
+            cfg.batch_size,
+            cfg.grad_accum,
+            self.global_batch,
+            sum(p.numel() for p in self.model.parameters()),
         )
         if cfg.warmup_steps >= self.length.samples // self.length.step_samples:
-            self._warn_once("%s %d is not shorter than the run (%d steps): the learning rate never reaches its peak",
-                        flag("warmup_steps"), cfg.warmup_steps, self.length.samples // self.length.step_samples)
+            self._warn_once(
+                "%s %d is not shorter than the run (%d steps): the learning rate never reaches its peak",
+                flag("warmup_steps"),
+                cfg.warmup_steps,
+                self.length.samples // self.length.step_samples,
+            )
         if cfg.amp == "fp16" and self.env.device.type != "cuda":
             self._warn_once("%s fp16 without CUDA runs without a gradient scaler; prefer bf16 on CPU", flag("amp"))
 
@@ -553,8 +626,13 @@ class Trainer:
     def _record_evaluation(self, results: dict[str, float], count: int, seconds: float) -> None:
         progress = self.progress
         progress.val_loss = results["val_loss"]
-        log.info("eval at step %d: %s (%d samples, %.1f s)", progress.step,
-                 "  ".join(f"{k} {v:.4f}" for k, v in results.items()), count, seconds)
+        log.info(
+            "eval at step %d: %s (%d samples, %.1f s)",
+            progress.step,
+            "  ".join(f"{k} {v:.4f}" for k, v in results.items()),
+            count,
+            seconds,
+        )
         self.tracker.log(results, progress.step)
         self._timer += seconds  # samples/s counts training time only
         if progress.val_loss < progress.best_val_loss:
@@ -578,20 +656,31 @@ class Trainer:
     def _summary(self, already_complete: bool, stop_signal: int) -> Summary:
         cfg, progress = self.cfg, self.progress
         return Summary(
-            world_size=self.env.world_size, steps=progress.step, total_steps=self.total_steps,
-            resumed_from=self.resumed_from, samples_seen=progress.samples_seen, first_loss=progress.first_loss,
-            last_loss=progress.last_loss, val_loss=progress.val_loss, best_val_loss=progress.best_val_loss,
-            best_step=progress.best_step, snapshot_dir=self.snapshots.directory,
-            newest_snapshot=step_name(progress.step), export_dir=os.path.abspath(cfg.export_dir),
+            world_size=self.env.world_size,
+            steps=progress.step,
+            total_steps=self.total_steps,
+            resumed_from=self.resumed_from,
+            samples_seen=progress.samples_seen,
+            first_loss=progress.first_loss,
+            last_loss=progress.last_loss,
+            val_loss=progress.val_loss,
+            best_val_loss=progress.best_val_loss,
+            best_step=progress.best_step,
+            snapshot_dir=self.snapshots.directory,
+            newest_snapshot=step_name(progress.step),
+            export_dir=os.path.abspath(cfg.export_dir),
             log_file=os.path.abspath(cfg.log_file.replace("{rank}", "0")) if cfg.log_file else "",
             metrics_file=os.path.abspath(cfg.metrics_file) if cfg.metrics_file else "",
-            already_complete=already_complete, stop_signal=stop_signal,
+            already_complete=already_complete,
+            stop_signal=stop_signal,
         )
 
     def _write_summary(self, summary: Summary) -> None:
         if self.env.is_main:
-            fields = {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
-                      for k, v in dataclasses.asdict(summary).items()}
+            fields = {
+                k: (v if not isinstance(v, float) or math.isfinite(v) else None)
+                for k, v in dataclasses.asdict(summary).items()
+            }
             text = json.dumps(fields, indent=1)
             os.makedirs(self.cfg.export_dir, exist_ok=True)
             write_atomic(os.path.join(self.cfg.export_dir, "summary.json"), lambda f: f.write(text.encode()))
@@ -623,6 +712,7 @@ def train(cfg: Config, env: DistEnv) -> Summary:
 
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def _add_batch_sums(sums: dict, outputs: torch.Tensor, targets: torch.Tensor, val_metrics) -> None:
     """Add one validation batch's sample count, summed loss and summed metrics to `sums` (float64)."""
     count = len(targets)
@@ -634,8 +724,13 @@ def _add_batch_sums(sums: dict, outputs: torch.Tensor, targets: torch.Tensor, va
         sums[name] = sums[name] + value if name in sums else value
 
 
-def _settle_bucket_order(ddp_model: DistributedDataParallel, dataset: Dataset, batch_size: int, env: DistEnv,
-                         optimizer: torch.optim.Optimizer) -> None:
+def _settle_bucket_order(
+    ddp_model: DistributedDataParallel,
+    dataset: Dataset,
+    batch_size: int,
+    env: DistEnv,
+    optimizer: torch.optim.Optimizer,
+) -> None:
     """Give a resumed job's fresh DDP the gradient buckets an uninterrupted job has by now.
 
     DDP rebuilds its buckets in the order gradients arrive during the first backward; until then it uses an
@@ -669,8 +764,14 @@ def progress_bar(env: DistEnv, total: int, initial: int):
     """tqdm on rank 0 when the console is a terminal; disabled (drawing nothing) elsewhere."""
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=False,
-                disable=not (env.is_main and sys.stderr.isatty()))
+    return tqdm(
+        total=total,
+        initial=initial,
+        unit="step",
+        dynamic_ncols=True,
+        leave=False,
+        disable=not (env.is_main and sys.stderr.isatty()),
+    )
 
 
 def _misfit(expected: dict, found: dict) -> str:
@@ -678,8 +779,11 @@ def _misfit(expected: dict, found: dict) -> str:
     missing = [k for k in expected if k not in found]
     unexpected = [k for k in found if k not in expected]
     reshaped = [k for k in expected if k in found and getattr(found[k], "shape", None) != expected[k].shape]
-    parts = [f"{len(names)} {what}, e.g. {names[0]!r}" for names, what in
-             ((missing, "missing"), (unexpected, "unexpected"), (reshaped, "of another shape")) if names]
+    parts = [
+        f"{len(names)} {what}, e.g. {names[0]!r}"
+        for names, what in ((missing, "missing"), (unexpected, "unexpected"), (reshaped, "of another shape"))
+        if names
+    ]
     return "; ".join(parts)
 
 

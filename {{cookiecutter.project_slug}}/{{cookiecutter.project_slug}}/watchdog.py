@@ -47,8 +47,10 @@ class HangWatch:
                 self._dump(idle)
 
     def _dump(self, idle: float) -> None:
-        header = (f"--- rank {self.rank}, pid {os.getpid()}, {time.strftime('%Y-%m-%d %H:%M:%S')}: no training step "
-                  f"finished for {idle:.0f} s; the stack of every thread follows ---\n")
+        header = (
+            f"--- rank {self.rank}, pid {os.getpid()}, {time.strftime('%Y-%m-%d %H:%M:%S')}: no training step "
+            f"finished for {idle:.0f} s; the stack of every thread follows ---\n"
+        )
         if self.path:
             with open(self.path, "a", encoding="utf-8") as handle:
                 handle.write(header)
@@ -57,5 +59,9 @@ class HangWatch:
         else:
             sys.stderr.write(header)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        log.warning("no training step finished for %.0f s (a rank may hang; the job fails at --dist-timeout): the "
-                    "stacks of this rank's threads are in %s", idle, self.path or "the console")
+        log.warning(
+            "no training step finished for %.0f s (a rank may hang; the job fails at --dist-timeout): the "
+            "stacks of this rank's threads are in %s",
+            idle,
+            self.path or "the console",
+        )
