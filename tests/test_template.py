@@ -154,6 +154,26 @@ def test_own_model_and_data_pass_the_whole_suite(tmp_path):
     print(f"the swapped-in model's run of the baked suite: {summary}")
 
 
+def test_rebake_from_the_recorded_answers_reproduces_the_project_byte_for_byte(tmp_path):
+    """.cookiecutter.json holds every answer, so a re-bake from it (how a project pulls template updates) is exact."""
+    answers = {**AWKWARD, "nproc_per_node": "3", "backend": "gloo", "use_wandb": "no", "debug_port": "7000"}
+    answers["wandb_project"] = "awkward-runs"
+    first = bake(tmp_path / "first", **answers)
+    recorded = json.loads((first / ".cookiecutter.json").read_text(encoding="utf-8"))
+    options = {key for key in json.loads((ROOT / "cookiecutter.json").read_text()) if not key.startswith("_")}
+    assert set(answers) == options, "the answers above must set every option"
+    assert recorded == answers
+    again = bake(tmp_path / "again", **recorded)
+
+    def tree(project):
+        return {str(p.relative_to(project)): p.read_bytes() for p in sorted(project.rglob("*")) if p.is_file()}
+
+    first_files, again_files = tree(first), tree(again)
+    assert sorted(first_files) == sorted(again_files)
+    differing = [name for name in first_files if first_files[name] != again_files[name]]
+    assert not differing, f"a re-bake from .cookiecutter.json differs in {differing}"
+
+
 def test_slug_is_derived_from_the_name(tmp_path):
     project = bake(tmp_path, project_name="My Cool-Project")
     assert_clean_bake(project)
