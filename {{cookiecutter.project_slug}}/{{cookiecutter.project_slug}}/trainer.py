@@ -39,6 +39,7 @@ from .snapshot import SnapshotError, Snapshots, capture_rng, restore_rng, step_n
 
 log = logs.get_logger(__name__)
 
+SAMPLES = " samples"  # evaluation's sample count, kept beside the sums under a name no val_metrics key can take
 AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -428,11 +429,11 @@ class Trainer:
             [sums.get(name, torch.zeros((), dtype=torch.float64, device=self.env.device)) for name in names]
         )
         totals = distributed.all_sum(self.env, totals).tolist()
-        count = totals[names.index("count")]
+        count = totals[names.index(SAMPLES)]
         results = {
             f"val_{name}": total / count
             for name, total in sorted(zip(names, totals, strict=True), key=_loss_first)
-            if name != "count"
+            if name != SAMPLES
         }
         self._record_evaluation(results, int(count), time.perf_counter() - started)
         return results
@@ -716,9 +717,12 @@ def train(cfg: Config, env: DistEnv) -> Summary:
 def _add_batch_sums(sums: dict, outputs: torch.Tensor, targets: torch.Tensor, val_metrics) -> None:
     """Add one validation batch's sample count, summed loss and summed metrics to `sums` (float64)."""
     count = len(targets)
-    batch = {"count": count, "loss": user_model.loss_fn(outputs, targets).double() * count}
+    batch = {SAMPLES: count, "loss": user_model.loss_fn(outputs, targets).double() * count}
     if val_metrics is not None:
-        batch.update(val_metrics(outputs, targets))
+        metrics = val_metrics(outputs, targets)
+        if "loss" in metrics:
+            raise RunError("val_metrics in model.py returns 'loss': that name is val_loss's (from loss_fn); rename it")
+        batch.update(metrics)
     for name, value in batch.items():
         value = torch.as_tensor(value, dtype=torch.float64, device=outputs.device).detach()
         sums[name] = sums[name] + value if name in sums else value
