@@ -78,6 +78,14 @@ def metrics(tmp_path, name="run"):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def logged_steps(tmp_path, name="run"):
+    """The steps a run of `name` has logged so far; it may be writing a line at this moment: that one is left out."""
+    path = tmp_path / f"{name}-metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")]
+
+
 def default_config():
     """The settings of a run with no flags."""
     from {{ cookiecutter.project_slug }} import config

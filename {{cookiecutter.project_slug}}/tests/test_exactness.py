@@ -2,14 +2,27 @@
 4 ranks too, and a job resumed on another number of ranks keeps the run's length and schedule in samples.
 """
 
-import json
 import os
 import random
 import signal
 import time
 
 import pytest
-from conftest import assert_same_weights, child_env, final_model, finish, run, start, train_cmd, wait_for, worker_pids
+from conftest import (
+    assert_same_weights,
+    child_env,
+    final_model,
+    finish,
+    logged_steps,
+    metrics,
+    outputs,
+    run,
+    start,
+    summary,
+    train_cmd,
+    wait_for,
+    worker_pids,
+)
 
 STEPS = 60
 ARGS = [
@@ -26,38 +39,12 @@ ARGS = [
 ]
 
 
-def files(tmp_path, name="run"):
-    folder = tmp_path / name
-    return [
-        "--snapshot-dir",
-        str(folder / "snapshots"),
-        "--log-file",
-        str(folder / "train.log"),
-        "--metrics-file",
-        str(folder / "metrics.jsonl"),
-        "--export-dir",
-        str(folder / "export"),
-    ]
-
-
-def logged_steps(tmp_path, name="run"):
-    try:
-        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line)["step"] for line in lines if line.endswith("}")]
-
-
-def summary(tmp_path, name="run"):
-    return json.loads((tmp_path / name / "export" / "summary.json").read_text())
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [3, 4])
 def test_sigkill_at_a_random_moment_ends_bitwise_equal_with_3_and_4_ranks(tmp_path, nproc):
     """DDP's gradient buckets are settled before the first resumed step (gloo's ring sums in bucket order)."""
-    run(train_cmd(nproc) + ARGS + files(tmp_path, "reference"))
-    proc = start(train_cmd(nproc, ["--max-restarts=2"]) + ARGS + files(tmp_path))
+    run(train_cmd(nproc) + ARGS + outputs(tmp_path, "reference"))
+    proc = start(train_cmd(nproc, ["--max-restarts=2"]) + ARGS + outputs(tmp_path))
     kill_after = random.randint(12, 40)
     wait_for(lambda: any(step >= kill_after for step in logged_steps(tmp_path)), timeout=180, what=f"step {kill_after}")
     time.sleep(random.uniform(0, 0.3))  # mid-step, mid-save or between saves
@@ -67,11 +54,12 @@ def test_sigkill_at_a_random_moment_ends_bitwise_equal_with_3_and_4_ranks(tmp_pa
     assert code == 0, out[-5000:]
     resumed = summary(tmp_path)
     assert resumed["steps"] == STEPS and resumed["resumed_from"] >= 0, resumed
-    reference = final_model(tmp_path / "reference" / "snapshots")
-    assert_same_weights(reference["model"], final_model(tmp_path / "run" / "snapshots")["model"])
+    reference = final_model(tmp_path / "reference-snapshots")
+    assert_same_weights(reference["model"], final_model(tmp_path / "run-snapshots")["model"])
     print(f"\n{nproc} ranks: killed rank {victim} after step {kill_after}, resumed from {resumed['resumed_from']}")
 
 
+@pytest.mark.slow
 def test_world_size_1_then_2_then_1_keeps_the_run_length_and_schedule_in_samples(tmp_path):
     """60 steps of 32 samples on one process, interrupted twice and continued on 2 ranks in between."""
     from {{ cookiecutter.project_slug }} import config
@@ -79,26 +67,24 @@ def test_world_size_1_then_2_then_1_keeps_the_run_length_and_schedule_in_samples
     batch = config.parse_args([]).batch_size
     fault = train_cmd(script="tests/fault_injection.py")
     killed = run(
-        fault + ARGS + files(tmp_path),
+        fault + ARGS + outputs(tmp_path),
         check=False,
         env=child_env(FAULT="kill_after_commit", FAULT_STEP=20, FAULT_ONCE=tmp_path / "first"),
     )
-    assert killed.returncode != 0 and final_model(tmp_path / "run" / "snapshots")["step"] == 20
+    assert killed.returncode != 0 and final_model(tmp_path / "run-snapshots")["step"] == 20
     # 20 x 32 samples done: on 2 ranks a step takes 64; stopped again after 10 of them.
     killed = run(
-        train_cmd(2, script="tests/fault_injection.py") + ARGS + files(tmp_path),
+        train_cmd(2, script="tests/fault_injection.py") + ARGS + outputs(tmp_path),
         check=False,
         env=child_env(FAULT="kill_after_commit", FAULT_STEP=30, FAULT_ONCE=tmp_path / "second"),
     )
-    assert killed.returncode != 0 and final_model(tmp_path / "run" / "snapshots")["step"] == 30
-    run(train_cmd() + ARGS + files(tmp_path))
+    assert killed.returncode != 0 and final_model(tmp_path / "run-snapshots")["step"] == 30
+    run(train_cmd() + ARGS + outputs(tmp_path))
 
     done = summary(tmp_path)
     assert done["samples_seen"] == STEPS * batch, "the same amount of data as 60 steps on one process"
     assert (done["steps"], done["resumed_from"]) == (20 + 10 + 20, 30)
-    run(train_cmd() + ARGS + files(tmp_path, "uninterrupted"))
-    last_lr = [json.loads(line)["lr"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
-    reference = [
-        json.loads(line)["lr"] for line in (tmp_path / "uninterrupted" / "metrics.jsonl").read_text().splitlines()
-    ][-1]
+    run(train_cmd() + ARGS + outputs(tmp_path, "uninterrupted"))
+    last_lr = [record["lr"] for record in metrics(tmp_path)][-1]
+    reference = [record["lr"] for record in metrics(tmp_path, "uninterrupted")][-1]
     assert last_lr == reference, "the schedule ends where the uninterrupted run's ends"

@@ -86,6 +86,7 @@ def injected(tmp_path, **fault):
     return child_env(FAULT_ONCE=tmp_path / "fault-fired", **fault)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 1])
 def test_sigkilled_worker_is_restarted_and_ends_bitwise_equal(tmp_path, reference_runs, victim):
     reference = reference_runs(ARGS)
@@ -108,6 +109,7 @@ def test_sigkilled_worker_is_restarted_and_ends_bitwise_equal(tmp_path, referenc
     assert runs and all(r.name.endswith(run_id) for r in runs), runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank, where", [(1, "rank"), (0, "manifest")])
 def test_crash_inside_a_save_resumes_from_the_previous_snapshot(tmp_path, reference_runs, rank, where):
     reference = reference_runs(ARGS)
@@ -122,6 +124,7 @@ def test_crash_inside_a_save_resumes_from_the_previous_snapshot(tmp_path, refere
     assert_same_weights(reference["model"], final_model(tmp_path / "run-snapshots")["model"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("restore_rng", [True, False])
 def test_resume_is_exact_only_with_restored_random_streams(tmp_path, reference_runs, restore_rng):
     """The negative control: without the random streams restored, the same resume ends with other weights."""
@@ -140,6 +143,7 @@ def test_resume_is_exact_only_with_restored_random_streams(tmp_path, reference_r
         assert any(not torch.equal(reference["model"][k], weights[k]) for k in weights)
 
 
+@pytest.mark.slow
 def test_damaged_snapshots_are_skipped_and_all_damaged_is_a_clean_error(tmp_path):
     cmd = train_cmd(2) + QUICK + ["--max-steps", "60", "--snapshot-every", "20"] + outputs(tmp_path)
     run(cmd)
@@ -171,6 +175,7 @@ def test_damaged_snapshots_are_skipped_and_all_damaged_is_a_clean_error(tmp_path
     assert not (tmp_path / "run-export" / "summary.json").exists(), "nothing was trained"
 
 
+@pytest.mark.slow
 def test_sigterm_stops_at_a_step_saves_and_a_relaunch_ends_bitwise_equal(tmp_path, reference_runs):
     reference = reference_runs(ARGS)
     cmd = train_cmd(2) + ARGS + outputs(tmp_path)
@@ -189,6 +194,7 @@ def test_sigterm_stops_at_a_step_saves_and_a_relaunch_ends_bitwise_equal(tmp_pat
     assert_same_weights(reference["model"], final_model(tmp_path / "run-snapshots")["model"])
 
 
+@pytest.mark.slow
 def test_static_rendezvous_restart_recovers(tmp_path, reference_runs):
     reference = reference_runs(ARGS)
     rendezvous = [
@@ -212,6 +218,7 @@ def test_static_rendezvous_restart_recovers(tmp_path, reference_runs):
     assert_same_weights(reference["model"], final_model(tmp_path / "run-snapshots")["model"])
 
 
+@pytest.mark.slow
 def test_resume_with_another_world_size_continues_by_samples_seen(tmp_path):
     """--max-steps counts steps of the size the run started with: on 1 rank the rest takes twice the steps."""
     cmd2 = train_cmd(2, script="tests/fault_injection.py") + ARGS + outputs(tmp_path)

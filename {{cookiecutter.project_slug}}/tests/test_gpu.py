@@ -157,6 +157,7 @@ def nccl_run(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @gpus(1)
 def test_one_rank_trains_with_nccl_on_its_gpu(nccl_run):
@@ -197,6 +198,7 @@ print("loaded on CPU: step", snapshot["step"])
 """
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @gpus(1)
 def test_exported_weights_and_snapshots_of_a_gpu_run_load_on_a_machine_without_gpus(nccl_run):
@@ -207,6 +209,7 @@ def test_exported_weights_and_snapshots_of_a_gpu_run_load_on_a_machine_without_g
     assert "loaded on CPU: step 60" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @gpus(1)
 def test_two_ranks_with_nccl_on_one_gpu_are_refused_before_training(tmp_path):
@@ -224,6 +227,7 @@ def test_two_ranks_with_nccl_on_one_gpu_are_refused_before_training(tmp_path):
 # ---- bitwise resume on GPUs -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @gpus(1)
 @pytest.mark.parametrize("amp", ["off", "bf16", "fp16"])
@@ -239,6 +243,7 @@ def test_sigkill_and_restart_end_bitwise_equal_on_a_gpu(tmp_path, amp):
         assert resumed["scaler"] == reference["scaler"]
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @gpus(1)
 def test_two_ranks_share_one_gpu_with_gloo_and_resume_bitwise(tmp_path):
@@ -249,6 +254,7 @@ def test_two_ranks_share_one_gpu_with_gloo_and_resume_bitwise(tmp_path):
     assert_same_weights(reference["model"], resumed["model"])
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @gpus(2)
 def test_two_ranks_with_nccl_on_two_gpus_resume_bitwise(tmp_path):
@@ -258,6 +264,7 @@ def test_two_ranks_with_nccl_on_two_gpus_resume_bitwise(tmp_path):
     assert_same_weights(reference["model"], resumed["model"])
 
 
+@pytest.mark.slow
 def test_deterministic_switches_are_on_before_training_and_off_without_the_flag(tmp_path):
     """Runs on CPU too: the switches are the same there, and cuBLAS reads its variable only once it is used."""
     for flag in ("--deterministic", "--no-deterministic"):
@@ -345,6 +352,7 @@ def test_a_snapshot_of_cuda_tensors_leaves_the_training_thread_free_and_holds_th
 # ---- torch.compile ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @gpus(1)
 def test_compile_on_a_gpu_trains_and_keeps_the_models_own_names(tmp_path):

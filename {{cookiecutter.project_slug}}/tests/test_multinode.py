@@ -10,6 +10,7 @@ import re
 import signal
 import sys
 
+import pytest
 from conftest import (
     QUICK,
     ROOT,
@@ -91,6 +92,7 @@ def progress_matches(progress, samples):
     return True
 
 
+@pytest.mark.slow
 def test_two_nodes_train_like_one_node_with_two_ranks(tmp_path, reference_runs):
     agents = start_nodes([ARGS + outputs(tmp_path)] * 2)
     reference = reference_runs(ARGS)  # the one-node run, while the agents run
@@ -103,6 +105,7 @@ def test_two_nodes_train_like_one_node_with_two_ranks(tmp_path, reference_runs):
     assert_same_weights(final["model"], reference["model"])
 
 
+@pytest.mark.slow
 def test_killed_worker_on_one_node_restarts_every_node(tmp_path, reference_runs):
     agents = start_nodes([ARGS + outputs(tmp_path)] * 2, torchrun_args=["--max-restarts=3"])
     wait_for(lambda: committed(tmp_path / "run-snapshots"), timeout=120, what="a first snapshot")
@@ -119,6 +122,7 @@ def test_killed_worker_on_one_node_restarts_every_node(tmp_path, reference_runs)
     assert_same_weights(final_model(tmp_path / "run-snapshots")["model"], reference_runs(ARGS)["model"])
 
 
+@pytest.mark.slow
 def test_elastic_job_loses_a_node_and_finishes_on_the_other(tmp_path):
     """--nnodes=1:2: when node 1 dies, node 0 alone resumes the 2-rank snapshot with 1 rank and finishes."""
     agents = start_nodes(
@@ -145,6 +149,7 @@ def test_elastic_job_loses_a_node_and_finishes_on_the_other(tmp_path):
     assert logged == sorted(set(logged)), "every step once, in order, across the attempts"
 
 
+@pytest.mark.slow
 def test_nodes_that_see_different_snapshot_folders_stop_at_start_up(tmp_path):
     """Two machines whose --snapshot-dir is not one shared folder (here: two folders) must not train."""
     folders = [tmp_path / "node0-snapshots", tmp_path / "node1-snapshots"]

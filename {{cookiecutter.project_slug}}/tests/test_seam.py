@@ -4,13 +4,12 @@ the data position and the schedule, exact evaluation, export, resume control, an
 Nothing here names the demo's settings or classes: these tests pass unchanged with your own model and data.
 """
 
-import json
 import math
 import sys
 
 import pytest
 import torch
-from conftest import ROOT, run, train_cmd
+from conftest import ROOT, metrics, outputs, run, summary, train_cmd
 
 sys.path.insert(0, str(ROOT))
 
@@ -20,29 +19,6 @@ from {{ cookiecutter.project_slug }}.distributed import DistEnv
 from {{ cookiecutter.project_slug }}.snapshot import Snapshots, capture_rng, load_latest
 
 FAST = ["--wandb", "disabled", "--log-every", "5"]
-
-
-def files(tmp_path, name="run"):
-    """Every file a run writes, in its own folder under tmp_path."""
-    folder = tmp_path / name
-    return [
-        "--snapshot-dir",
-        str(folder / "snapshots"),
-        "--log-file",
-        str(folder / "train.log"),
-        "--metrics-file",
-        str(folder / "metrics.jsonl"),
-        "--export-dir",
-        str(folder / "export"),
-    ]
-
-
-def summary(tmp_path, name="run"):
-    return json.loads((tmp_path / name / "export" / "summary.json").read_text())
-
-
-def metrics(tmp_path, name="run"):
-    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 
 def cfg_of(*args):
@@ -119,7 +95,7 @@ def two_rank_run(tmp_path_factory):
         train_cmd(2)
         + FAST
         + ["--max-steps", "30", "--eval-every", "10", "--snapshot-every", "10", "--clip-grad", "5"]
-        + files(tmp_path)
+        + outputs(tmp_path)
     )
     return tmp_path
 
@@ -139,12 +115,13 @@ def evaluate_in_one_process(weights):
     return results
 
 
+@pytest.mark.slow
 def test_two_rank_evaluation_equals_one_process_on_the_same_weights(two_rank_run):
     if build_datasets(cfg_of())[1] is None:
         pytest.skip("build_datasets returns no validation set")
     last = metrics(two_rank_run)[-1]
     assert last["step"] == 30 and "val_loss" in last
-    weights = torch.load(two_rank_run / "run" / "export" / "model.pt", weights_only=True)
+    weights = torch.load(two_rank_run / "run-export" / "model.pt", weights_only=True)
     expected = evaluate_in_one_process(weights)
     assert {k for k in last if k.startswith("val_")} == set(expected)
     for name, value in expected.items():
@@ -152,10 +129,11 @@ def test_two_rank_evaluation_equals_one_process_on_the_same_weights(two_rank_run
     assert summary(two_rank_run)["val_loss"] == last["val_loss"]
 
 
+@pytest.mark.slow
 def test_export_loads_into_a_fresh_model_without_the_training_code(two_rank_run):
-    export = two_rank_run / "run" / "export"
+    export = two_rank_run / "run-export"
     weights = torch.load(export / "model.pt", weights_only=True)
-    final = load_latest(str(two_rank_run / "run" / "snapshots"))
+    final = load_latest(str(two_rank_run / "run-snapshots"))
     assert final["step"] == 30
     assert weights.keys() == final["model"].keys()
     assert all(torch.equal(weights[k], final["model"][k]) for k in weights), "model.pt holds the final weights"
@@ -170,6 +148,7 @@ def test_export_loads_into_a_fresh_model_without_the_training_code(two_rank_run)
         assert evaluate_in_one_process(best_weights)["val_loss"] == pytest.approx(best["best_val_loss"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_metrics_file_has_one_record_per_logged_step(two_rank_run):
     records = metrics(two_rank_run)
     steps = [r["step"] for r in records]
@@ -181,8 +160,9 @@ def test_metrics_file_has_one_record_per_logged_step(two_rank_run):
 # Resume control.
 
 
+@pytest.mark.slow
 def test_a_finished_run_launched_again_says_so_with_its_real_last_loss(tmp_path):
-    cmd = train_cmd() + FAST + ["--max-steps", "10"] + files(tmp_path)
+    cmd = train_cmd() + FAST + ["--max-steps", "10"] + outputs(tmp_path)
     run(cmd)
     first = summary(tmp_path)
     run(cmd)
@@ -191,15 +171,16 @@ def test_a_finished_run_launched_again_says_so_with_its_real_last_loss(tmp_path)
     assert again["last_loss"] == first["last_loss"] and math.isfinite(again["last_loss"])
 
 
+@pytest.mark.slow
 def test_changed_lr_and_weight_decay_apply_on_resume(tmp_path):
-    run(train_cmd() + FAST + ["--max-steps", "20", "--snapshot-every", "10"] + files(tmp_path, "a"))
+    run(train_cmd() + FAST + ["--max-steps", "20", "--snapshot-every", "10"] + outputs(tmp_path, "a"))
     changed = ["--max-steps", "30", "--lr", "0.001", "--weight-decay", "0.05"]
-    run(train_cmd() + FAST + changed + files(tmp_path, "a"))
-    run(train_cmd() + FAST + changed + files(tmp_path, "fresh"))
+    run(train_cmd() + FAST + changed + outputs(tmp_path, "a"))
+    run(train_cmd() + FAST + changed + outputs(tmp_path, "fresh"))
     resumed_lr = {r["step"]: r["lr"] for r in metrics(tmp_path, "a")}
     fresh_lr = {r["step"]: r["lr"] for r in metrics(tmp_path, "fresh")}
     assert resumed_lr[25] == fresh_lr[25] and resumed_lr[30] == fresh_lr[30], "the new schedule, rescaled"
-    optimizer = load_latest(str(tmp_path / "a" / "snapshots"))["optimizer"]
+    optimizer = load_latest(str(tmp_path / "a-snapshots"))["optimizer"]
     assert {group["weight_decay"] for group in optimizer["param_groups"]} == {0.05}
 
 
@@ -219,30 +200,32 @@ def write_snapshot_of_another_model(folder):
     snapshots.close()
 
 
+@pytest.mark.slow
 def test_a_snapshot_of_another_model_stops_with_one_line_and_resume_never_sets_it_aside(tmp_path):
-    snapshot_dir = tmp_path / "run" / "snapshots"
+    snapshot_dir = tmp_path / "run-snapshots"
     write_snapshot_of_another_model(snapshot_dir)
-    cmd = train_cmd(2) + FAST + ["--max-steps", "6"] + files(tmp_path)
+    cmd = train_cmd(2) + FAST + ["--max-steps", "6"] + outputs(tmp_path)
     result = run(cmd, check=False)
     assert result.returncode != 0
     errors = [line for line in result.stdout.splitlines() if " ERROR " in line]
     assert len(errors) == 1, result.stdout[-4000:]
     assert str(snapshot_dir / "step-00000005") in errors[0] and "--resume never" in errors[0]
-    assert "Traceback" not in (tmp_path / "run" / "train.log").read_text()  # the job's own log: no traceback
+    assert "Traceback" not in (tmp_path / "run.log").read_text()  # the job's own log: no traceback
 
     run(cmd + ["--resume", "never"])
     assert summary(tmp_path)["resumed_from"] == -1 and summary(tmp_path)["steps"] == 6
-    (aside,) = tmp_path.joinpath("run").glob("snapshots.set-aside-*")
+    (aside,) = tmp_path.glob("run-snapshots.set-aside-*")
     assert (aside / "step-00000005" / "manifest.json").is_file(), "the old snapshots are kept, set aside"
     # The next launch in auto mode continues the new run, not the set-aside one.
-    run(train_cmd() + FAST + ["--max-steps", "8"] + files(tmp_path))
+    run(train_cmd() + FAST + ["--max-steps", "8"] + outputs(tmp_path))
     assert summary(tmp_path)["resumed_from"] == 6
 
 
+@pytest.mark.slow
 def test_resume_never_without_snapshots_just_trains(tmp_path):
-    run(train_cmd() + FAST + ["--max-steps", "3", "--resume", "never"] + files(tmp_path))
+    run(train_cmd() + FAST + ["--max-steps", "3", "--resume", "never"] + outputs(tmp_path))
     assert summary(tmp_path)["resumed_from"] == -1
-    assert not list(tmp_path.joinpath("run").glob("snapshots.set-aside-*"))
+    assert not list(tmp_path.glob("run-snapshots.set-aside-*"))
 
 
 # A run that diverges.
@@ -267,6 +250,7 @@ train.main(sys.argv[1:])
 """
 
 
+@pytest.mark.slow
 def test_a_loss_that_turns_nan_stops_the_run_before_a_snapshot_of_it(tmp_path):
     script = tmp_path / "nan_after.py"
     script.write_text(NAN_AFTER.format(root=str(ROOT), package="{{ cookiecutter.project_slug }}", after=23))
@@ -283,11 +267,11 @@ def test_a_loss_that_turns_nan_stops_the_run_before_a_snapshot_of_it(tmp_path):
         "5",
         "--eval-every",
         "0",
-    ] + files(tmp_path)
+    ] + outputs(tmp_path)
     result = run(cmd, check=False)
     assert result.returncode == 2, result.stdout[-3000:]
     assert "Traceback" not in result.stdout
-    newest = load_latest(str(tmp_path / "run" / "snapshots"))
+    newest = load_latest(str(tmp_path / "run-snapshots"))
     assert newest["step"] == 20, "the snapshot of step 25 would hold NaN weights"
     assert all(torch.isfinite(t).all() for t in newest["model"].values() if t.is_floating_point())
 
@@ -305,6 +289,7 @@ train.main(sys.argv[1:])
 """
 
 
+@pytest.mark.slow
 def test_compile_trains_and_snapshots_keep_the_unwrapped_names(tmp_path):
     script = tmp_path / "eager_compile.py"
     script.write_text(EAGER_COMPILE.format(root=str(ROOT)))
@@ -319,11 +304,11 @@ def test_compile_trains_and_snapshots_keep_the_unwrapped_names(tmp_path):
         "--compile",
         "--snapshot-every",
         "6",
-    ] + files(tmp_path)
+    ] + outputs(tmp_path)
     run(cmd + ["--max-steps", "6"])
     run(cmd + ["--max-steps", "12"])
     done = summary(tmp_path)
     assert (done["steps"], done["resumed_from"]) == (12, 6)
     names = set(model.build_model(cfg_of(), build_datasets(cfg_of())[0]).state_dict())
-    assert set(load_latest(str(tmp_path / "run" / "snapshots"))["model"]) == names
-    assert set(torch.load(tmp_path / "run" / "export" / "model.pt", weights_only=True)) == names
+    assert set(load_latest(str(tmp_path / "run-snapshots"))["model"]) == names
+    assert set(torch.load(tmp_path / "run-export" / "model.pt", weights_only=True)) == names

@@ -6,48 +6,23 @@
 - A SIGSTOPped rank: the waiting ranks write their stacks before the collective timeout fails the job.
 """
 
-import json
 import os
 import signal
 import time
 
-from conftest import finish, run, start, train_cmd, wait_for, worker_pids
+import pytest
+from conftest import finish, logged_steps, outputs, run, start, summary, train_cmd, wait_for, worker_pids
 
 LONG = ["--wandb", "disabled", "--log-every", "5", "--max-steps", "3000", "--snapshot-every", "1000"]
 
 
-def files(tmp_path, name="run"):
-    folder = tmp_path / name
-    return [
-        "--snapshot-dir",
-        str(folder / "snapshots"),
-        "--log-file",
-        str(folder / "train.log"),
-        "--metrics-file",
-        str(folder / "metrics.jsonl"),
-        "--export-dir",
-        str(folder / "export"),
-    ]
-
-
-def logged_steps(tmp_path, name="run"):
-    try:
-        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line)["step"] for line in lines if line.endswith("}")]
-
-
 def snapshot_steps(tmp_path, name="run"):
-    return sorted(int(p.parent.name[5:]) for p in (tmp_path / name / "snapshots").glob("step-*/manifest.json"))
+    return sorted(int(p.parent.name[5:]) for p in (tmp_path / f"{name}-snapshots").glob("step-*/manifest.json"))
 
 
-def summary(tmp_path, name="run"):
-    return json.loads((tmp_path / name / "export" / "summary.json").read_text())
-
-
+@pytest.mark.slow
 def test_sigterm_to_the_workers_only_stops_the_job_with_a_snapshot(tmp_path):
-    proc = start(train_cmd(2, ["--max-restarts=2"]) + LONG + files(tmp_path))
+    proc = start(train_cmd(2, ["--max-restarts=2"]) + LONG + outputs(tmp_path))
     wait_for(lambda: any(step >= 20 for step in logged_steps(tmp_path)), timeout=120, what="step 20")
     for pid in worker_pids(proc.pid).values():
         os.kill(pid, signal.SIGTERM)
@@ -56,12 +31,13 @@ def test_sigterm_to_the_workers_only_stops_the_job_with_a_snapshot(tmp_path):
     (stopped_at,) = [s for s in snapshot_steps(tmp_path) if s % 1000]
     assert 20 <= stopped_at < 3000
     assert max(logged_steps(tmp_path)) <= stopped_at, "torchrun's restarts must not train on"
-    run(train_cmd(2) + LONG[:-4] + ["--max-steps", str(stopped_at + 10)] + files(tmp_path))
+    run(train_cmd(2) + LONG[:-4] + ["--max-steps", str(stopped_at + 10)] + outputs(tmp_path))
     assert summary(tmp_path)["resumed_from"] == stopped_at
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_snapshot_at_the_next_step(tmp_path):
-    proc = start(train_cmd(2, ["--max-restarts=2"]) + LONG + files(tmp_path))
+    proc = start(train_cmd(2, ["--max-restarts=2"]) + LONG + outputs(tmp_path))
     wait_for(lambda: any(step >= 20 for step in logged_steps(tmp_path)), timeout=120, what="step 20")
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: torchrun and every worker get it
     code, out = finish(proc)
@@ -70,13 +46,14 @@ def test_ctrl_c_saves_a_snapshot_at_the_next_step(tmp_path):
     assert stopped and stopped[-1] >= 20, f"no snapshot at the stop: {snapshot_steps(tmp_path)}\n{out[-3000:]}"
 
 
+@pytest.mark.slow
 def test_a_hung_rank_leaves_the_stacks_of_the_waiting_ranks_in_their_logs(tmp_path):
-    proc = start(train_cmd(2) + LONG + ["--dist-timeout", "8"] + files(tmp_path))
+    proc = start(train_cmd(2) + LONG + ["--dist-timeout", "8"] + outputs(tmp_path))
     wait_for(lambda: any(step >= 20 for step in logged_steps(tmp_path)), timeout=120, what="step 20")
     hung = worker_pids(proc.pid)[1]
     os.kill(hung, signal.SIGSTOP)
     started = time.monotonic()
-    stacks = tmp_path / "run" / "stacks-rank0.txt"
+    stacks = tmp_path / "stacks-rank0.txt"
     try:
         wait_for(stacks.exists, timeout=60, what="rank 0's stacks")
         waited = time.monotonic() - started
