@@ -139,6 +139,8 @@ def test_defaults_bake_a_project_that_passes_the_quick_part_of_its_tests(tmp_pat
         assert (project / name).is_file(), name
     assert list((project / "scripts").glob("*.sbatch"))
     run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FAST_OWN_TESTS)
+    # The package type-checks with the settings in its pyproject.toml (mypy's basic mode).
+    run_in(project, "-m", "mypy", "--no-incremental")
 
 
 def test_own_model_and_data_pass_the_whole_suite(tmp_path):

@@ -21,7 +21,7 @@ import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 try:
     import tomllib
@@ -344,7 +344,15 @@ def _config_path(argv: Sequence[str] | None) -> str | None:
     return known.config
 
 
-def parse_args(argv: Sequence[str] | None = None, config_cls: type[SettingsT] = Config) -> SettingsT:
+@overload
+def parse_args(argv: Sequence[str] | None = None) -> Config: ...
+@overload
+def parse_args(argv: Sequence[str] | None, config_cls: type[SettingsT]) -> SettingsT: ...
+@overload
+def parse_args(argv: Sequence[str] | None = None, *, config_cls: type[SettingsT]) -> SettingsT: ...
+
+
+def parse_args(argv: Sequence[str] | None = None, config_cls: type[Any] = Config) -> Any:
     """Settings from --config FILE, then the command line on top; exit 2 with one line on the first bad value."""
     parser = build_parser(config_cls)
     path = _config_path(argv)

@@ -69,7 +69,9 @@ def postmortem_requested() -> bool:
 
 def _is_chosen(env) -> bool:
     value = os.environ.get("DEBUG_RANK")
-    return bool(value) and env.rank in chosen_ranks(value, env.world_size)
+    if not value:
+        return False
+    return env.rank in chosen_ranks(value, env.world_size)
 
 
 def _listen(env, note: str = "") -> None:

@@ -69,7 +69,14 @@ HEARTBEAT_S = 5.0  # how often the holder rewrites its heartbeat
 DEFAULT_STALE_S = 30.0  # a heartbeat older than this, seen from another machine, is a dead job's
 UNREADABLE_GRACE_S = 2.0  # an unreadable lock younger than this may be one being created with O_EXCL
 ATTEMPTS = 50  # take-over races lost before giving up
-_REQUIRED = {"host": str, "pid": int, "job": str, "started": (int, float), "heartbeat": (int, float), "owner": str}
+_REQUIRED: dict[str, type | tuple[type, ...]] = {
+    "host": str,
+    "pid": int,
+    "job": str,
+    "started": (int, float),
+    "heartbeat": (int, float),
+    "owner": str,
+}
 
 
 class JobLockError(RuntimeError):

@@ -56,7 +56,7 @@ def setup(rank: int, log_file: str = "", level: int = logging.INFO) -> None:
         root.removeHandler(handler)
         handler.close()
 
-    handlers = [_ConsoleHandler(sys.stderr)]
+    handlers: list[logging.Handler] = [_ConsoleHandler(sys.stderr)]
     handlers[0].setLevel(console_level)
     file_level = console_level
     if log_file:
@@ -105,13 +105,14 @@ def lost_peer(exc: BaseException) -> str | None:
     Looks through the exception's causes too, so a peer's death stays recognisable when code wraps it.
     """
     seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, RuntimeError):
-            found = _PEER_LOST.search(str(exc))
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, RuntimeError):
+            found = _PEER_LOST.search(str(current))
             if found:
                 return found.group(0) if found.group(0) != "GLHF" else "gloo lost a connection"
-        exc = exc.__cause__ or exc.__context__
+        current = current.__cause__ or current.__context__
     return None
 
 
@@ -151,7 +152,7 @@ def log_failure(logger: logging.Logger, exc: BaseException) -> None:
         logger.debug("the error that told this rank", exc_info=exc)
     else:
         logger.error("training failed", exc_info=exc)
-    exc.already_logged = True
+    exc.__dict__["already_logged"] = True  # read by the excepthook below: this failure is on the console
 
 
 def _excepthook(kind, value, traceback, previous=sys.excepthook):

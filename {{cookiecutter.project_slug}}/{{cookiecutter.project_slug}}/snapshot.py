@@ -35,6 +35,7 @@ import secrets
 import shutil
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -247,7 +248,8 @@ def load_checked(step_path, manifest, name):
 
 def list_steps(directory: str) -> tuple[list[int], list[int]]:
     """(committed steps, newest first; step folders without a manifest)."""
-    committed, incomplete = [], []
+    committed: list[int] = []
+    incomplete: list[int] = []
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
@@ -313,7 +315,7 @@ def capture_rng() -> dict:
         "python": random.getstate(),
         "numpy": {
             "kind": keys_kind,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
             "pos": int(pos),
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),
@@ -391,12 +393,14 @@ class _DeviceCopies:
     def __init__(self, pinned: dict, streams: dict):
         self.pinned = pinned  # place in the state -> pinned CPU buffer, kept by Snapshots
         self.streams = streams  # device -> its side stream, kept by Snapshots
-        self.staged = {}  # place -> the pinned buffer this save copies that tensor into
-        self.events = []  # (device, event recorded on its side stream after this save's copies)
+        self.staged: dict[tuple, torch.Tensor] = {}  # place -> the pinned buffer this save copies that tensor into
+        self.events: list[
+            tuple[torch.device, torch.cuda.Event]
+        ] = []  # (device, event recorded on its side stream after this save's copies)
 
     def start(self, states: dict) -> None:
         """Enqueue a copy of every strided CUDA tensor in `states` ({place prefix: state}), one stream per device."""
-        by_device = {}
+        by_device: dict[torch.device, list[tuple[tuple, torch.Tensor]]] = {}
         for prefix, state in states.items():
             for path, tensor in _cuda_tensors(state, prefix):
                 by_device.setdefault(tensor.device, []).append((path, tensor))
@@ -484,14 +488,22 @@ class Snapshots:
         self.job = joblock.current_job()  # recorded in every manifest: a restart of this job resumes them
         self._lock = None  # rank 0's JobLock, from prepare() to close()
         self._closed = False
-        self._thread = None
+        self._thread: threading.Thread | None = None
         self._copied = threading.Event()
         self._copied.set()
         self._error = None
-        self._staging = {}  # CPU buffers the writer copies tensors into, kept from one save to the next
-        self._pinned = {}  # pinned CPU buffers the CUDA tensors are copied into, kept likewise
-        self._copy_streams = {}  # a side stream per CUDA device, for those copies
-        self._device_copies = None  # the CUDA copies of the save in flight, until the training stream waits for them
+        self._staging: dict[
+            Any, torch.Tensor
+        ] = {}  # CPU buffers the writer copies tensors into, kept from one save to the next
+        self._pinned: dict[
+            tuple, torch.Tensor
+        ] = {}  # pinned CPU buffers the CUDA tensors are copied into, kept likewise
+        self._copy_streams: dict[
+            torch.device, torch.cuda.Stream
+        ] = {}  # a side stream per CUDA device, for those copies
+        self._device_copies: _DeviceCopies | None = (
+            None  # the CUDA copies of the save in flight, until the training stream waits for them
+        )
 
     # -- start-up ------------------------------------------------------------------------------------------------
 
@@ -697,10 +709,11 @@ class Snapshots:
                 f"ranks disagree on the newest snapshot in {self.directory} (step {low} on some ranks, {high} on "
                 "others): on several machines, --snapshot-dir must be one folder they all share"
             )
-        skipped = []
+        skipped: list[int] = []
         for step in committed:
             step_path = os.path.join(self.directory, step_name(step))
-            state, reason = None, None
+            state: dict[str, Any] = {}
+            reason: str | None = None
             try:
                 manifest = read_manifest(step_path)
                 same_world = manifest["world_size"] == env.world_size

@@ -15,8 +15,11 @@ import json
 import math
 import os
 import time
+from typing import Literal, cast
 
 from . import logs
+
+WandbMode = Literal["online", "offline", "disabled"]  # the choices of --wandb
 
 log = logs.get_logger(__name__)
 
@@ -39,7 +42,7 @@ class WandbTracker(Tracker):
             raise RuntimeError(f"--wandb {mode} needs wandb: pip install wandb, or pass --wandb disabled") from exc
 
         self._wandb = wandb
-        self.run = wandb.init(project=project, id=run_id, resume="allow", mode=mode, config=config)
+        self.run = wandb.init(project=project, id=run_id, resume="allow", mode=cast(WandbMode, mode), config=config)
         # Resumed runs log steps the failed attempt may have logged already; a metric of our own as the x axis
         # keeps wandb from dropping them as out of order.
         self.run.define_metric("step")

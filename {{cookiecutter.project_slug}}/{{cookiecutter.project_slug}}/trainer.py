@@ -20,8 +20,9 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -154,14 +155,14 @@ class ResumableSampler(DistributedSampler):
 
     def steps(self) -> int:
         """Whole optimizer steps left in this epoch."""
-        return (len(self.dataset) - self.start) // (self.num_replicas * self.samples_per_rank_step)
+        return (_size(self.dataset) - self.start) // (self.num_replicas * self.samples_per_rank_step)
 
     def __len__(self) -> int:
         return self.steps() * self.samples_per_rank_step
 
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(len(self.dataset), generator=generator)
+        order = torch.randperm(_size(self.dataset), generator=generator)
         order = order[self.start : self.start + self.steps() * self.num_replicas * self.samples_per_rank_step]
         return iter(order[self.rank :: self.num_replicas].tolist())
 
@@ -189,7 +190,8 @@ class Batches:
             persistent_workers=cfg.num_workers > 0,
             generator=self.generator,
         )
-        self._iterator, self._steps_left = None, 0
+        self._iterator: Iterator[Any] = iter(())  # replaced by the first step's epoch start
+        self._steps_left = 0
 
     def __iter__(self) -> "Batches":
         return self
@@ -204,7 +206,7 @@ class Batches:
 
     def _start_epoch(self) -> None:
         progress = self.progress
-        if progress.samples_in_epoch + self.global_batch > len(self.sampler.dataset):  # no whole step left
+        if progress.samples_in_epoch + self.global_batch > _size(self.sampler.dataset):  # no whole step left
             progress.epoch += 1
             progress.samples_in_epoch = 0
         self.sampler.set_position(progress.epoch, progress.samples_in_epoch)
@@ -333,7 +335,11 @@ class Trainer:
             inputs = inputs.to(self.env.device, non_blocking=True)
             targets = targets.to(self.env.device, non_blocking=True)
             last = index == len(micro_batches) - 1
-            sync = contextlib.nullcontext() if last or not self.env.is_distributed else self.ddp_model.no_sync()
+            sync = (
+                contextlib.nullcontext()
+                if last or not self.env.is_distributed
+                else cast(DistributedDataParallel, self.ddp_model).no_sync()
+            )
             with sync:
                 with torch.autocast(self.env.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                     loss = user_model.loss_fn(self.train_model(inputs), targets) / len(micro_batches)
@@ -728,6 +734,11 @@ def _add_batch_sums(sums: dict, outputs: torch.Tensor, targets: torch.Tensor, va
         sums[name] = sums[name] + value if name in sums else value
 
 
+def _size(dataset: Dataset) -> int:
+    """The length of a map-style dataset (torch's Dataset type does not declare __len__, though every one has it)."""
+    return len(cast(Sized, dataset))
+
+
 def _settle_bucket_order(
     ddp_model: DistributedDataParallel,
     dataset: Dataset,
@@ -745,7 +756,7 @@ def _settle_bucket_order(
     """
     rng_state = capture_rng()
     ddp_model.eval()
-    inputs, targets = default_collate([dataset[i] for i in range(min(batch_size, len(dataset)))])
+    inputs, targets = default_collate([dataset[i] for i in range(min(batch_size, _size(dataset)))])
     outputs = ddp_model(inputs.to(env.device))
     user_model.loss_fn(outputs, targets.to(env.device)).backward()
     optimizer.zero_grad(set_to_none=True)
