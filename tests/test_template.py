@@ -63,8 +63,27 @@ def assert_lint_clean(project):
     run_in(project, "-m", "ruff", "format", "--no-cache", "--check", ".")
 
 
+def assert_commands_aligned(project):
+    """In the README's code blocks and train.py's docstring, the comments of adjacent command lines start in one
+    column, whatever length the rendered answers (ports, rank counts, names) gave the commands."""
+    readme = (project / "README.md").read_text(encoding="utf-8").split("```")[1::2]  # the code blocks
+    docstring = (project / "train.py").read_text(encoding="utf-8").split('"""')[1]
+    ragged = []
+    for where, block in [("README.md", block) for block in readme] + [("train.py", docstring)]:
+        lines = block.splitlines()
+        columns = [
+            line.index("  # ") if "  # " in line and not line.lstrip().startswith("#") else None for line in lines
+        ]
+        for number in range(1, len(lines)):
+            here, before = columns[number], columns[number - 1]
+            if here is not None and before is not None and here != before:
+                ragged.append(f"{where}: {lines[number].strip()}")
+    assert not ragged, "comments out of line with the line above:\n" + "\n".join(ragged)
+
+
 def assert_clean_bake(project):
     assert_fully_rendered(project)
+    assert_commands_aligned(project)
     assert_lint_clean(project)
 
 

@@ -1,11 +1,16 @@
 """Train with DistributedDataParallel; resume from the newest good snapshot after any failure.
 
-    python train.py                                                      # one process (CPU or one GPU)
-    torchrun --standalone --nproc_per_node={{ cookiecutter.nproc_per_node | int }} train.py                        # every rank on this machine
-    torchrun --standalone --nproc_per_node={{ cookiecutter.nproc_per_node | int }} --max-restarts=3 train.py       # restart and resume after failures
+    # one process (CPU or one GPU)
+    python train.py
+    # every rank on this machine
+    torchrun --standalone --nproc_per_node={{ cookiecutter.nproc_per_node | int }} train.py
+    # restart and resume after failures
+    torchrun --standalone --nproc_per_node={{ cookiecutter.nproc_per_node | int }} --max-restarts=3 train.py
+    # several machines
     torchrun --nnodes=2 --nproc_per_node={{ cookiecutter.nproc_per_node | int }} --rdzv-backend=c10d \
-        --rdzv-endpoint=HOST:29400 --rdzv-id=JOB train.py               # several machines
-    sbatch scripts/train.sbatch                                          # the same, on SLURM
+        --rdzv-endpoint=HOST:29400 --rdzv-id=JOB train.py
+    # the same, on SLURM
+    sbatch scripts/train.sbatch
 
 `python train.py --help` lists every setting. Re-running a command in the same folder resumes from
 --snapshot-dir; `--resume never` starts from scratch (moving what the folder holds aside).

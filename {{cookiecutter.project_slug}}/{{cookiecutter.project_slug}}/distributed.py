@@ -5,6 +5,7 @@ else in the project works the same way in both cases.
 """
 
 import datetime
+import logging
 import os
 import secrets
 import socket
@@ -14,10 +15,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import debug, logs
+from . import debug
 from .config import RunError
 
-log = logs.get_logger(__name__)
+log = logging.getLogger(__name__)
 
 _control_group = None  # a gloo group for small control messages when the main backend is nccl
 LONG_TIMEOUT = datetime.timedelta(days=1)  # while a debugger may hold a rank at a breakpoint

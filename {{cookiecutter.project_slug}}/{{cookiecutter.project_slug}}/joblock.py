@@ -51,6 +51,7 @@ agent does not leave workers training and committing snapshots on their own.
 import ctypes
 import errno
 import json
+import logging
 import math
 import os
 import secrets
@@ -60,9 +61,7 @@ import sys
 import threading
 import time
 
-from . import logs
-
-log = logs.get_logger(__name__)
+log = logging.getLogger(__name__)
 
 LOCK_FILE = "job.lock"
 HEARTBEAT_S = 5.0  # how often the holder rewrites its heartbeat

@@ -6,7 +6,7 @@
 - DEBUG_ALL_RANKS=1 turns every rank to DEBUG on the console.
 - A log file name with `{rank}` in it (`--log-file logs/rank{rank}.log`) gives every rank its own full file.
 
-Use `logs.get_logger(__name__)` and log as usual; nothing in the code needs to ask which rank it is on.
+Use `logging.getLogger(__name__)` and log as usual; nothing in the code needs to ask which rank it is on.
 Records are formatted only where a handler takes them, so quiet ranks pay for nothing.
 
 A rank that stops because another rank died logs one warning saying so, not a traceback that makes the healthy
@@ -82,10 +82,6 @@ def setup(rank: int, log_file: str = "", level: int = logging.INFO) -> None:
     logging.getLogger(__package__).setLevel(lowest)
     logging.captureWarnings(True)  # warnings.warn() from any rank shows up tagged, like a log record
     sys.excepthook = _excepthook
-
-
-def get_logger(name: str) -> logging.Logger:
-    return logging.getLogger(name)
 
 
 # What a collective or the process-group store raises on a rank whose peer vanished (killed, crashed, its

@@ -28,6 +28,7 @@ import errno
 import functools
 import hashlib
 import json
+import logging
 import os
 import random
 import re
@@ -41,9 +42,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import distributed, joblock, logs
+from . import distributed, joblock
 
-log = logs.get_logger(__name__)
+log = logging.getLogger(__name__)
 
 FORMAT = 2  # 2: the manifest checksums itself and names the job that wrote it
 MANIFEST = "manifest.json"

@@ -12,16 +12,15 @@ most the line being written, and a partial last line is dropped at the next star
 """
 
 import json
+import logging
 import math
 import os
 import time
 from typing import Literal, cast
 
-from . import logs
-
 WandbMode = Literal["online", "offline", "disabled"]  # the choices of --wandb
 
-log = logs.get_logger(__name__)
+log = logging.getLogger(__name__)
 
 
 class Tracker:

@@ -31,14 +31,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
-from . import distributed, joblock, logs, tracking, watchdog
+from . import distributed, joblock, tracking, watchdog
 from . import model as user_model
 from .config import Config, RunError, flag
 from .data import build_datasets
 from .distributed import DistEnv
 from .snapshot import SnapshotError, Snapshots, capture_rng, restore_rng, step_name, write_atomic, write_json_atomic
 
-log = logs.get_logger(__name__)
+log = logging.getLogger(__name__)
 
 SAMPLES = " samples"  # evaluation's sample count, kept beside the sums under a name no val_metrics key can take
 AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
