@@ -11,16 +11,18 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from . import debug
-from .config import RunError
+from .config import Config, RunError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-_control_group = None  # a gloo group for small control messages when the main backend is nccl
+_control_group: dist.ProcessGroup | None = None  # a gloo group for small control messages when the main backend is nccl
 LONG_TIMEOUT = datetime.timedelta(days=1)  # while a debugger may hold a rank at a breakpoint
 PROBE_TIMEOUT = datetime.timedelta(seconds=2)
 CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"  # cuBLAS's deterministic setting; ":16:8" is too, with less memory
@@ -36,15 +38,15 @@ class DistEnv:
     device: torch.device = torch.device("cpu")
 
     @property
-    def is_main(self):
+    def is_main(self) -> bool:
         return self.rank == 0
 
     @property
-    def is_distributed(self):
+    def is_distributed(self) -> bool:
         return self.world_size > 1 or self.backend != "none"
 
 
-def read_env():
+def read_env() -> DistEnv:
     """Ranks from torchrun's environment variables; a single process when RANK is unset."""
     if "RANK" not in os.environ:
         return DistEnv()
@@ -56,7 +58,7 @@ def read_env():
     )
 
 
-def resolve_backend(requested):
+def resolve_backend(requested: str) -> str:
     if requested == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if requested == "nccl" and not torch.cuda.is_available():
@@ -67,7 +69,7 @@ def resolve_backend(requested):
     return requested
 
 
-def pick_device(backend, local_rank):
+def pick_device(backend: str, local_rank: int) -> torch.device:
     if backend == "gloo" or not torch.cuda.is_available():
         return torch.device("cpu")
     if local_rank >= torch.cuda.device_count():
@@ -78,7 +80,7 @@ def pick_device(backend, local_rank):
     return torch.device("cuda", local_rank)
 
 
-def set_cpu_threads(env, threads_per_rank):
+def set_cpu_threads(env: DistEnv, threads_per_rank: int) -> int:
     """Split the cores among the ranks of this machine, so ranks don't fight over them.
 
     torchrun sets OMP_NUM_THREADS=1 for every rank, which leaves cores idle when there are more cores than
@@ -92,7 +94,7 @@ def set_cpu_threads(env, threads_per_rank):
     return threads_per_rank
 
 
-def _fresh_store(env, timeout):
+def _fresh_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store:
     """A store that holds only this attempt's keys.
 
     Under torchrun the workers share the agent's store across restarts, so a restarted worker can read a dead
@@ -134,7 +136,7 @@ def _fresh_store(env, timeout):
             raise TimeoutError(f"rank {env.rank} found no process group store from rank 0 within {timeout}")
 
 
-def _accepts_connections(host, port):
+def _accepts_connections(host: str, port: int) -> bool:
     """A plain TCP connect. The port of a store that is gone refuses it at once, where a TCPStore client
     retries for seconds: an address left by an earlier attempt then costs milliseconds, not seconds."""
     try:
@@ -144,7 +146,7 @@ def _accepts_connections(host, port):
         return False
 
 
-def _advertised_host(master_addr):
+def _advertised_host(master_addr: str) -> str:
     """The address other ranks reach rank 0 at: MASTER_ADDR names rank 0's machine under torchrun."""
     if master_addr in ("localhost", "127.0.0.1", "::1"):
         return master_addr
@@ -155,7 +157,7 @@ def _advertised_host(master_addr):
         return socket.getfqdn()
 
 
-def collective_timeout(cfg):
+def collective_timeout(cfg: Config) -> datetime.timedelta:
     """How long one rank waits for the others: --dist-timeout, or a day while a debugger may hold a rank."""
     return LONG_TIMEOUT if debug.requested() else datetime.timedelta(seconds=cfg.dist_timeout)
 
@@ -176,7 +178,7 @@ def use_deterministic_algorithms() -> None:
     torch.backends.cudnn.deterministic = True
 
 
-def init(env, cfg):
+def init(env: DistEnv, cfg: Config) -> DistEnv:
     """Start the process group (when under torchrun), pick the device, and let a debugger attach."""
     if cfg.deterministic:
         use_deterministic_algorithms()  # first: before any CUDA work
@@ -217,7 +219,7 @@ def init(env, cfg):
     return env
 
 
-def teardown(clean):
+def teardown(clean: bool) -> None:
     """Leave the process group. After a clean finish, ranks first wait for each other, so rank 0 (which serves the
     store) does not leave while others still use it; after a failure they don't: the others may never arrive."""
     global _control_group
@@ -228,7 +230,7 @@ def teardown(clean):
     _control_group = None
 
 
-def control_group():
+def control_group() -> dist.ProcessGroup | None:
     """The process group for control messages: CPU tensors, gloo. None means the default group (already gloo)."""
     return _control_group
 
@@ -236,12 +238,12 @@ def control_group():
 # Collectives that are no-ops in a single process, so callers need not ask. Control messages use CPU tensors.
 
 
-def barrier(env):
+def barrier(env: DistEnv) -> None:
     if env.is_distributed:
         dist.barrier(group=_control_group)
 
 
-def all_min_max(env, value):
+def all_min_max(env: DistEnv, value: int) -> tuple[int, int]:
     """(min, max) of an integer over all ranks."""
     if not env.is_distributed:
         return value, value
@@ -250,12 +252,12 @@ def all_min_max(env, value):
     return int(both[0]), -int(both[1])
 
 
-def all_true(env, flag):
+def all_true(env: DistEnv, flag: object) -> bool:
     low, _ = all_min_max(env, int(bool(flag)))
     return bool(low)
 
 
-def broadcast_object(env, obj):
+def broadcast_object(env: DistEnv, obj: T) -> T:
     if not env.is_distributed:
         return obj
     holder = [obj]
@@ -263,7 +265,7 @@ def broadcast_object(env, obj):
     return holder[0]
 
 
-def broadcast_buffers(env, model):
+def broadcast_buffers(env: DistEnv, model: torch.nn.Module) -> None:
     """Rank 0's buffers (BatchNorm's running statistics) to every rank, in place.
 
     Each rank updates its own copy of the buffers in every training forward; DDP overwrites them with rank 0's
@@ -275,7 +277,7 @@ def broadcast_buffers(env, model):
             dist.broadcast(buffer, src=0)
 
 
-def all_sum(env, tensor):
+def all_sum(env: DistEnv, tensor: torch.Tensor) -> torch.Tensor:
     """Sum of a tensor over ranks (a copy; the input is left alone)."""
     out = tensor.detach().clone()
     if env.is_distributed:
@@ -283,7 +285,7 @@ def all_sum(env, tensor):
     return out
 
 
-def all_mean(env, tensor):
+def all_mean(env: DistEnv, tensor: torch.Tensor) -> torch.Tensor:
     """Mean of a tensor over ranks (a copy; the input is left alone)."""
     if not env.is_distributed:
         return tensor.clone()

@@ -226,7 +226,7 @@ def read_manifest(step_path: str) -> dict:
     return manifest
 
 
-def load_checked(step_path, manifest, name):
+def load_checked(step_path: str, manifest: dict, name: str) -> Any:
     """torch.load one file of a snapshot after checking its size and sha256 against the manifest."""
     path = os.path.join(step_path, name)
     expected = manifest["files"].get(name)

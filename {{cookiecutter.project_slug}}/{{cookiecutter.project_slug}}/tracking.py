@@ -18,6 +18,8 @@ import os
 import time
 from typing import Literal, cast
 
+from .distributed import DistEnv
+
 WandbMode = Literal["online", "offline", "disabled"]  # the choices of --wandb
 
 log = logging.getLogger(__name__)
@@ -131,7 +133,13 @@ def _plain(value):
 
 
 def make_tracker(
-    env, mode: str, project: str, run_id: str, config: dict, metrics_file: str = "", resumed_from: int = -1
+    env: DistEnv,
+    mode: str,
+    project: str,
+    run_id: str,
+    config: dict,
+    metrics_file: str = "",
+    resumed_from: int = -1,
 ) -> Tracker:
     if not env.is_main:
         return Tracker()

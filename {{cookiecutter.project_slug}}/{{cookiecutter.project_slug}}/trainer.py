@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Iterator, Sized
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -37,6 +37,9 @@ from .config import Config, RunError, flag
 from .data import build_datasets
 from .distributed import DistEnv
 from .snapshot import SnapshotError, Snapshots, capture_rng, restore_rng, step_name, write_atomic, write_json_atomic
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -431,10 +434,10 @@ class Trainer:
         self.model.train()
         restore_rng(rng_state)
         names = distributed.broadcast_object(self.env, sorted(sums))  # rank 0 always has samples: it names them
-        totals = torch.stack(
+        local = torch.stack(
             [sums.get(name, torch.zeros((), dtype=torch.float64, device=self.env.device)) for name in names]
         )
-        totals = distributed.all_sum(self.env, totals).tolist()
+        totals = distributed.all_sum(self.env, local).tolist()
         count = totals[names.index(SAMPLES)]
         results = {
             f"val_{name}": total / count
@@ -775,7 +778,7 @@ def snapshot_bytes(model: nn.Module) -> int:
     return 3 * sum(p.numel() * p.element_size() for p in model.parameters()) + 2**20
 
 
-def progress_bar(env: DistEnv, total: int, initial: int):
+def progress_bar(env: DistEnv, total: int, initial: int) -> "tqdm":
     """tqdm on rank 0 when the console is a terminal; disabled (drawing nothing) elsewhere."""
     from tqdm import tqdm
 
