@@ -449,8 +449,8 @@ class Trainer:
 
     def save_snapshot(self, blocking: bool = False) -> None:
         """Start writing a snapshot of this step in the background (see snapshot.py); refuse a diverged state."""
-        if self._loss_steps and not math.isfinite(self._synced_loss(keep=True)):
-            self._diverged()
+        if self._loss_steps:
+            self._synced_loss()  # stops the run if the loss since the last log diverged: no NaN snapshot
         model_state = self.model.state_dict()
         for name, buffer in self.model.named_buffers():
             if name in model_state:  # buffers change during forward (BatchNorm statistics): copy them now
@@ -649,19 +649,16 @@ class Trainer:
             progress.best_val_loss, progress.best_step = progress.val_loss, progress.step
             self.export("best.pt")
 
-    def _synced_loss(self, keep: bool = False) -> float:
+    def _synced_loss(self) -> float:
         """The mean training loss since the last log, over every rank; a NaN or infinite one stops the run."""
         loss = distributed.all_mean(self.env, self._loss_sum / max(1, self._loss_steps)).item()
-        if not math.isfinite(loss) and not keep:
-            self._diverged()
+        if not math.isfinite(loss):
+            raise RunError(
+                f"the training loss is not finite at step {self.progress.step}: the run diverged, so no snapshot is "
+                f"saved over the good ones (newest: step {self.last_saved}). Lower {flag('lr')}, set "
+                f"{flag('clip_grad')}, or check the data; then run the same command again to resume from that snapshot"
+            )
         return loss
-
-    def _diverged(self) -> None:
-        raise RunError(
-            f"the training loss is not finite at step {self.progress.step}: the run diverged, so no snapshot is saved "
-            f"over the good ones (newest: step {self.last_saved}). Lower {flag('lr')}, set {flag('clip_grad')}, "
-            "or check the data; then run the same command again to resume from that snapshot"
-        )
 
     def _summary(self, already_complete: bool, stop_signal: int) -> Summary:
         cfg, progress = self.cfg, self.progress
