@@ -203,3 +203,15 @@ def reference_runs(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture
+def cleanup():
+    """Debug sessions and jobs to close (or processes to kill) when a test ends, however it ends."""
+    items = []
+    yield items
+    for item in reversed(items):
+        try:
+            item.close() if hasattr(item, "close") else item.kill()
+        except Exception as problem:  # one failed close must not keep the others from running
+            print(f"cleanup: {problem!r}")

@@ -227,18 +227,6 @@ class Job:
             self.proc.wait()
 
 
-@pytest.fixture
-def cleanup():
-    """Things to close or kill when a test ends, however it ends."""
-    items = []
-    yield items
-    for item in reversed(items):
-        try:
-            item.close() if hasattr(item, "close") else item.kill()
-        except Exception:
-            pass
-
-
 def attach(port, breakpoints, cleanup):
     """Attach to a rank that waits for a debugger, as the attach configurations do."""
     session = dap.Session.connect("127.0.0.1", port, name=f"port {port}")

@@ -73,18 +73,6 @@ class Job:
             self.proc.stdin.close()
 
 
-@pytest.fixture
-def cleanup():
-    """Things to close when a test ends, however it ends."""
-    items = []
-    yield items
-    for item in reversed(items):
-        try:
-            item.close()
-        except Exception as problem:  # one failed close must not keep the others from running
-            print(f"cleanup: {problem!r}")
-
-
 # torch.distributed.breakpoint: pdb on one rank, typed into the terminal.
 
 BREAKING_TRAIN = '''
