@@ -4,6 +4,7 @@ import collections
 import json
 import logging
 import math
+import os
 import re
 import sys
 
@@ -64,6 +65,31 @@ def test_two_ranks_log_each_info_record_once(tmp_path):
     assert max(counts.values()) == 1, f"repeated records: {[m for m, n in counts.items() if n > 1]}"
     done = summary(tmp_path)
     assert (done["world_size"], done["steps"]) == (2, 20)
+
+
+LEFT_THREADS = """
+import os, sys
+import train
+train.main(sys.argv[1:])
+names = sorted(open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task"))
+print(f"rank {os.environ['RANK']} threads left: {' '.join(names)}", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the threads of a process from /proc")
+def test_a_finished_run_ends_the_process_group_before_the_interpreter_exits(tmp_path):
+    """No gloo or store thread is left when main() returns: none can run into interpreter shutdown and abort
+    a process whose run succeeded."""
+    script = tmp_path / "run_main.py"
+    script.write_text(LEFT_THREADS)
+    cmd = train_cmd(nproc=2)[:-1] + [str(script)]
+    result = run(cmd + QUICK + ["--max-steps", "4"] + outputs(tmp_path))
+    left = dict(re.findall(r"^rank (\d) threads left: (.*)$", result.stdout, re.M))
+    assert left.keys() == {"0", "1"}, result.stdout
+    for rank, names in left.items():
+        stray = [name for name in names.split() if name.startswith(("gloo", "pt_gloo", "pt_tcpstore"))]
+        assert not stray, f"rank {rank} still runs {stray} after main() returned"
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ else in the project works the same way in both cases.
 """
 
 import datetime
+import importlib
 import logging
 import os
 import secrets
@@ -189,6 +190,12 @@ def init(env: DistEnv, cfg: Config) -> DistEnv:
     if "RANK" not in os.environ:
         env = DistEnv(device=device)
     else:
+        # Imported before the process group exists, not by DDP or the optimizer afterwards: importing it later
+        # leaves references to the group in module state (10 with torch 2.13), so destroy_process_group() cannot
+        # free it, and gloo's threads live on into interpreter shutdown, where one can abort the process
+        # (SIGABRT, "terminate called without an active exception") after a run that succeeded.
+        importlib.import_module("torch._dynamo")
+
         timeout = collective_timeout(cfg)
         store = _fresh_store(env, timeout)
         dist.init_process_group(
