@@ -97,7 +97,11 @@ def run_in(project, *args, check=True, timeout=300, **env):
         env={**_clean_env(), **env},
     )
     if check:
-        assert result.returncode == 0, f"{args} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+        # The names of the failed tests first: a long failure message can push them out of the tail.
+        failed = "\n".join(line[:300] for line in result.stdout.splitlines() if line.startswith(("FAILED ", "ERROR ")))
+        assert result.returncode == 0, (
+            f"{args} failed:\n{failed}\n...\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+        )
     return result
 
 
