@@ -23,7 +23,6 @@ from .config import Config, RunError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_control_group: dist.ProcessGroup | None = None  # a gloo group for small control messages when the main backend is nccl
 LONG_TIMEOUT = datetime.timedelta(days=1)  # while a debugger may hold a rank at a breakpoint
 PROBE_TIMEOUT = datetime.timedelta(seconds=2)
 CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"  # cuBLAS's deterministic setting; ":16:8" is too, with less memory
@@ -199,7 +198,9 @@ def init(env: DistEnv, cfg: Config) -> DistEnv:
         timeout = collective_timeout(cfg)
         store = _fresh_store(env, timeout)
         dist.init_process_group(
-            backend,
+            # With nccl, one group with two backends: CUDA tensors go through nccl, CPU tensors through gloo, so
+            # control messages (agreement on snapshots, stop requests) never wait for the GPU stream.
+            "cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
             store=store,
             rank=env.rank,
             world_size=env.world_size,
@@ -207,11 +208,6 @@ def init(env: DistEnv, cfg: Config) -> DistEnv:
             device_id=device if device.type == "cuda" else None,
         )
         env = DistEnv(env.rank, env.local_rank, env.world_size, env.local_world_size, backend, device)
-        if backend == "nccl":
-            # Control messages (agreement on snapshots, stop requests) stay on CPU, so reading their result
-            # never waits for the GPU stream.
-            global _control_group
-            _control_group = dist.new_group(backend="gloo", timeout=timeout)
     threads = set_cpu_threads(env, cfg.threads_per_rank) if device.type == "cpu" else torch.get_num_threads()
     log.debug(
         "rank %d of %d up: backend %s, device %s, %d CPU threads",
@@ -229,25 +225,24 @@ def init(env: DistEnv, cfg: Config) -> DistEnv:
 def teardown(clean: bool) -> None:
     """Leave the process group. After a clean finish, ranks first wait for each other, so rank 0 (which serves the
     store) does not leave while others still use it; after a failure they don't: the others may never arrive."""
-    global _control_group
     if dist.is_available() and dist.is_initialized():
         if clean:
-            dist.barrier(group=_control_group)
+            _cpu_barrier()
         dist.destroy_process_group()
-    _control_group = None
 
 
-def control_group() -> dist.ProcessGroup | None:
-    """The process group for control messages: CPU tensors, gloo. None means the default group (already gloo)."""
-    return _control_group
-
-
-# Collectives that are no-ops in a single process, so callers need not ask. Control messages use CPU tensors.
+# Collectives that are no-ops in a single process, so callers need not ask. Control messages use CPU tensors,
+# which the process group sends through gloo also when its main backend is nccl.
 
 
 def barrier(env: DistEnv) -> None:
     if env.is_distributed:
-        dist.barrier(group=_control_group)
+        _cpu_barrier()
+
+
+def _cpu_barrier() -> None:
+    """A barrier through gloo: dist.barrier() would pick nccl (and a GPU) when the group has a CUDA device."""
+    dist.all_reduce(torch.zeros(1))
 
 
 def all_min_max(env: DistEnv, value: int) -> tuple[int, int]:
@@ -255,7 +250,7 @@ def all_min_max(env: DistEnv, value: int) -> tuple[int, int]:
     if not env.is_distributed:
         return value, value
     both = torch.tensor([value, -value], dtype=torch.int64)
-    dist.all_reduce(both, op=dist.ReduceOp.MIN, group=_control_group)
+    dist.all_reduce(both, op=dist.ReduceOp.MIN)
     return int(both[0]), -int(both[1])
 
 
@@ -268,7 +263,7 @@ def broadcast_object(env: DistEnv, obj: T) -> T:
     if not env.is_distributed:
         return obj
     holder = [obj]
-    dist.broadcast_object_list(holder, src=0, group=_control_group, device=torch.device("cpu"))
+    dist.broadcast_object_list(holder, src=0, device=torch.device("cpu"))
     return holder[0]
 
 

@@ -535,7 +535,7 @@ class Snapshots:
         views = [(env.rank, visible, self.directory)]
         if env.is_distributed:  # every rank learns who does not see the folder, so each says the same
             views = [None] * env.world_size
-            dist.all_gather_object(views, (env.rank, visible, self.directory), group=distributed.control_group())
+            dist.all_gather_object(views, (env.rank, visible, self.directory))  # CPU (gloo) also under nccl
         blind = [f"rank {rank} does not, looking in {directory}" for rank, seen, directory in views if not seen]
         distributed.barrier(env)
         if env.is_main:

@@ -252,9 +252,7 @@ class StopRequest:
             self.stopped = bool(self._flag.item())
             self.signal = self.signal or int(self._flag.item())
         self._flag.fill_(self.signal)
-        self._pending = dist.all_reduce(
-            self._flag, op=dist.ReduceOp.MAX, group=distributed.control_group(), async_op=True
-        )
+        self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
         return self.stopped
 
     def close(self) -> None:
