@@ -33,6 +33,7 @@ from . import baked
 AMP_MODES = ("off", "bf16", "fp16")
 WANDB_MODES = ("online", "offline", "disabled")
 BACKENDS = ("auto", "nccl", "gloo")
+STRATEGIES = ("ddp", "fsdp")
 RESUME_MODES = ("auto", "never")
 NONE_WORDS = ("", "none")  # what an optional field reads as None, on the command line and in a config file
 COMPARISONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
@@ -109,6 +110,12 @@ class Config:
     clip_grad: float = option(0.0, "clip the gradient norm to this; 0 = off", min=0)
     amp: str = option("off", "mixed precision: bf16, or fp16 (with a gradient scaler on CUDA)", choices=AMP_MODES)
     compile: bool = option(False, "torch.compile the model")
+    strategy: str = option(
+        "ddp",
+        "ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer state are sharded across "
+        "the ranks (FSDP2), for a model that does not fit one device (needs torchrun)",
+        choices=STRATEGIES,
+    )
     seed: int = option(1337, "seed for weights, data order and every rank's random streams", min=0, max=2**32 - 1)
     # Evaluation and export.
     eval_every: int = option(100, "evaluate every this many optimizer steps; 0 = only at the end", min=0)

@@ -6,6 +6,9 @@
 - `val_metrics(outputs, targets)` (optional) returns per-batch SUMS, e.g. `{"correct": ...}`: the trainer adds
   them up over every validation sample on every rank and logs each divided by the number of samples, as
   `val_<name>`. Delete it if you only want `val_loss`.
+- `shard_units(model)` (optional, used with `--strategy fsdp`) returns the submodules to shard one by one: each
+  gathers its full parameters only while it runs, so the fewer parameters one unit holds, the less memory a rank
+  needs (typically: each transformer block). Without it, each direct child that has parameters is one unit.
 """
 
 import torch
@@ -31,6 +34,10 @@ class MLP(nn.Module):
 
 def build_model(cfg, train_dataset) -> nn.Module:
     return MLP(train_dataset.features, train_dataset.classes, width=cfg.width, depth=cfg.depth, dropout=cfg.dropout)
+
+
+def shard_units(model: MLP) -> list[nn.Module]:
+    return [layer for layer in model.net if isinstance(layer, nn.Linear)]
 
 
 def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@ Layout of the snapshot folder (one job per folder; on several machines it must b
         shared.pt              model, optimizer, scheduler, scaler, data position, config (rank 0 writes it)
         rank-00000.pt          one rank's own state: its random number streams (each rank writes its own)
         rank-00000.json        that rank's receipt: size and sha256 of what it wrote
+        sharded/               --strategy fsdp only: model and optimizer, each rank's shards written by
+                               torch.distributed.checkpoint (__<rank>_0.distcp; rank 0 adds .metadata)
         manifest.json          the commit marker, written last by rank 0 once every receipt is in
 
 Every file is written to a temporary name in the same folder, fsynced and renamed into place. A step
@@ -24,6 +26,7 @@ job: then this is a restart of that job, and it resumes.
 """
 
 import copy
+import datetime
 import errno
 import functools
 import hashlib
@@ -41,6 +44,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 
 from . import distributed, joblock
 
@@ -49,6 +54,8 @@ log = logging.getLogger(__name__)
 FORMAT = 2  # 2: the manifest checksums itself and names the job that wrote it
 MANIFEST = "manifest.json"
 SHARED = "shared.pt"
+SHARDED_DIR = "sharded"
+SHARDED_FILE = re.compile(r"^sharded/(__(\d+)_\d+\.distcp|\.metadata)$")  # what DCP's FileSystemWriter writes
 RUN_FILE = "run.json"
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")  # what wandb accepts as a run id
@@ -186,7 +193,7 @@ def _manifest_problem(manifest, step):
     absent = sorted(expected - files.keys())
     if absent:
         return f"files has no entry for {absent[0]}" + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else "")
-    extra = sorted(files.keys() - expected)
+    extra = sorted(name for name in files.keys() - expected if not SHARDED_FILE.match(name))
     if extra:
         return f"files lists {_short(extra[0])}, which a snapshot of {world_size} rank(s) does not have"
     for name in sorted(files):
@@ -200,6 +207,8 @@ def _manifest_problem(manifest, step):
             return f"files[{name!r}] size {_short(entry['size'])} is not a whole number >= 0"
         if not isinstance(entry["sha256"], str) or not SHA256.match(entry["sha256"]):
             return f"files[{name!r}] sha256 {_short(entry['sha256'])} is not 64 hex digits"
+    if _sharded_files(manifest) and f"{SHARDED_DIR}/.metadata" not in files:
+        return f"files lists shards but no {SHARDED_DIR}/.metadata"
     digest = manifest["manifest_sha256"]
     if not isinstance(digest, str) or not SHA256.match(digest):
         return f"manifest_sha256 {_short(digest)} is not 64 hex digits"
@@ -226,8 +235,13 @@ def read_manifest(step_path: str) -> dict:
     return manifest
 
 
-def load_checked(step_path: str, manifest: dict, name: str) -> Any:
-    """torch.load one file of a snapshot after checking its size and sha256 against the manifest."""
+def _sharded_files(manifest: dict) -> list[str]:
+    """The names of the torch.distributed.checkpoint files a manifest lists (none for a ddp snapshot)."""
+    return sorted(name for name in manifest["files"] if SHARDED_FILE.match(name))
+
+
+def check_file(step_path: str, manifest: dict, name: str) -> str:
+    """The path of one file of a snapshot, after checking its size and sha256 against the manifest."""
     path = os.path.join(step_path, name)
     expected = manifest["files"].get(name)
     if expected is None:
@@ -241,6 +255,12 @@ def load_checked(step_path: str, manifest: dict, name: str) -> Any:
         raise SnapshotError(f"{path}: {what}, {size} bytes instead of {expected['size']}")
     if _sha256_file(path) != expected["sha256"]:
         raise SnapshotError(f"{path}: checksum mismatch, the file changed or was damaged after it was written")
+    return path
+
+
+def load_checked(step_path: str, manifest: dict, name: str) -> Any:
+    """torch.load one file of a snapshot after checking its size and sha256 against the manifest."""
+    path = check_file(step_path, manifest, name)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # the checksum matched, so this file was written by something else
@@ -271,12 +291,22 @@ def list_steps(directory: str) -> tuple[list[int], list[int]]:
     return sorted(committed, reverse=True), sorted(incomplete)
 
 
-def _load_step(step_path, ranks):
-    """The shared state of one snapshot, with `rank_states` for the given ranks; raises SnapshotError."""
+def _load_step(step_path, ranks, shards=(0, 1)):
+    """The shared state of one snapshot, with `rank_states` for the given ranks; raises SnapshotError.
+
+    A sharded snapshot's torch.distributed.checkpoint files are checked, not loaded (the trainer loads them, on
+    every rank together): those whose index i in the sorted list has i % shards[1] == shards[0]. "sharded_dir"
+    is their folder, or "" for a snapshot without shards.
+    """
     manifest = read_manifest(step_path)
     state = load_checked(step_path, manifest, SHARED)
     state["rank_states"] = {rank: load_checked(step_path, manifest, rank_file(rank)) for rank in ranks}
     state["world_size"] = int(manifest["world_size"])
+    sharded = _sharded_files(manifest)
+    for index, name in enumerate(sharded):
+        if index % shards[1] == shards[0]:
+            check_file(step_path, manifest, name)
+    state["sharded_dir"] = os.path.join(step_path, SHARDED_DIR) if sharded else ""
     return state
 
 
@@ -435,6 +465,51 @@ class _DeviceCopies:
             event.synchronize()
 
 
+def _shard_of(name: str) -> int | None:
+    """The rank that writes a file of a sharded snapshot (rank 0 writes DCP's .metadata), or None for another file."""
+    match = SHARDED_FILE.match(name)
+    if match is None:
+        return None
+    return int(match.group(2)) if match.group(2) is not None else 0
+
+
+def _split_dtensors(obj: Any, path: tuple = ()) -> tuple[Any, dict[tuple, tuple]]:
+    """(obj with each DTensor replaced by this rank's local shard, {place: how to put the DTensor back}).
+
+    The copies off the training thread (and onto pinned memory) then treat shards as the plain tensors they are.
+    """
+    if isinstance(obj, DTensor):
+        return obj.to_local(), {path: (obj.device_mesh, obj.placements, obj.shape, obj.stride())}
+    layouts: dict[tuple, tuple] = {}
+    if isinstance(obj, dict):
+        out: Any = {}
+        for key, value in obj.items():
+            out[key], found = _split_dtensors(value, path + (key,))
+            layouts.update(found)
+        return out, layouts
+    if isinstance(obj, (list, tuple)):
+        items = []
+        for index, value in enumerate(obj):
+            item, found = _split_dtensors(value, path + (index,))
+            items.append(item)
+            layouts.update(found)
+        return (items if isinstance(obj, list) else tuple(items)), layouts
+    return obj, layouts
+
+
+def _join_dtensors(obj: Any, layouts: dict[tuple, tuple], path: tuple = ()) -> Any:
+    """The inverse of _split_dtensors, around the (copied) local shards."""
+    if path in layouts:
+        mesh, placements, shape, stride = layouts[path]
+        return DTensor.from_local(obj, mesh, placements, run_check=False, shape=shape, stride=stride)
+    if isinstance(obj, dict):
+        return {key: _join_dtensors(value, layouts, path + (key,)) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [_join_dtensors(value, layouts, path + (index,)) for index, value in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items)
+    return obj
+
+
 def _cuda_tensors(obj, path):
     """(place, tensor) of every strided CUDA tensor in obj, walking dicts, lists and tuples as _copy_to_cpu does."""
     if isinstance(obj, torch.Tensor):
@@ -474,15 +549,30 @@ class Snapshots:
     rank 0 plus a small file per rank (its random streams) is all a snapshot needs, and DCP's sharded planning
     adds nothing. What this class adds on top of torch.save is what DCP does not give: a commit marker written
     after every rank's part, a checksum per file with fallback to the previous snapshot, copies taken off the
-    training thread, pruning, and one job per folder. Sharded training (FSDP) would write its shards with DCP
-    under the same commit marker.
+    training thread, pruning, and one job per folder. Under --strategy fsdp (`sharded`) each rank's shards of the
+    model and optimizer are written with DCP, from the writer thread on a gloo group of its own, and come under
+    the same receipts, checksums and commit marker; DCP reshards them when the number of ranks changes.
 
     Rank 0 holds the folder's job lock from prepare() to close(): call close() when training ends, also after a
     failure (in a `finally`).
     """
 
-    def __init__(self, directory: str, env: distributed.DistEnv, keep: int, commit_timeout: float = 600.0):
+    def __init__(
+        self,
+        directory: str,
+        env: distributed.DistEnv,
+        keep: int,
+        commit_timeout: float = 600.0,
+        sharded: bool = False,
+    ):
         self.directory = os.path.abspath(directory)
+        # DCP's collectives run on the writer thread while training runs its own: they need a group of their own.
+        self._group = (
+            dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=commit_timeout))
+            if sharded and env.is_distributed
+            else None
+        )
+        self.sharded = sharded
         self.env = env
         self.keep = keep
         self.commit_timeout = commit_timeout  # seconds rank 0 waits for every rank's part before a save fails
@@ -718,7 +808,8 @@ class Snapshots:
             try:
                 manifest = read_manifest(step_path)
                 same_world = manifest["world_size"] == env.world_size
-                state = _load_step(step_path, [env.rank] if same_world else [])
+                # Each rank checks its share of a sharded snapshot's files; together they check all of them.
+                state = _load_step(step_path, [env.rank] if same_world else [], (env.rank, env.world_size))
             except SnapshotError as exc:
                 reason = str(exc)
             if distributed.all_true(env, reason is None):
@@ -747,7 +838,14 @@ class Snapshots:
 
     # -- saving --------------------------------------------------------------------------------------------------
 
-    def save(self, step: int, shared: dict | None, rank_state: dict, blocking: bool = False) -> None:
+    def save(
+        self,
+        step: int,
+        shared: dict | None,
+        rank_state: dict,
+        blocking: bool = False,
+        sharded_state: dict | None = None,
+    ) -> None:
         """Start writing a snapshot of `step` in the background.
 
         `shared` (rank 0's model, optimizer, ...) may hold live tensors: they are copied off the training path
@@ -759,13 +857,14 @@ class Snapshots:
         self.wait()
         shared = shared if self.env.is_main else None
         device_copies = _DeviceCopies(self._pinned, self._copy_streams)
+        shards, layouts = _split_dtensors(sharded_state) if sharded_state is not None else (None, {})
         if torch.cuda.is_initialized():  # no CUDA tensor can exist before CUDA is initialized
-            device_copies.start({("shared",): shared, ("rank",): rank_state})
+            device_copies.start({("shared",): shared, ("rank",): rank_state, ("sharded",): shards})
         self._device_copies = device_copies
         self._copied.clear()
         self._thread = threading.Thread(
             target=self._write,
-            args=(step, shared, rank_state, device_copies),
+            args=(step, shared, rank_state, device_copies, shards, layouts),
             name=f"snapshot-{step}",
             daemon=True,
         )
@@ -820,12 +919,13 @@ class Snapshots:
                 reason = str(error)
             raise SnapshotError(f"saving a snapshot failed: {reason}") from error
 
-    def _write(self, step, shared, rank_state, device_copies):
+    def _write(self, step, shared, rank_state, device_copies, shards=None, layouts=None):
         try:
             try:
                 staged = device_copies.staged
                 shared = _copy_to_cpu(shared, self._staging, ("shared",), staged) if shared is not None else None
                 rank_state = _copy_to_cpu(rank_state, self._staging, ("rank",), staged)
+                shards = _copy_to_cpu(shards, self._staging, ("sharded",), staged) if shards is not None else None
             finally:
                 self._copied.set()
             device_copies.wait()
@@ -838,6 +938,8 @@ class Snapshots:
             files[rank_file(rank)] = write_atomic(
                 os.path.join(folder, rank_file(rank)), lambda f: torch.save(rank_state, f)
             )
+            if shards is not None:
+                files.update(self._write_shards(folder, _join_dtensors(shards, layouts)))
             write_json_atomic(os.path.join(folder, receipt_file(rank)), {"rank": rank, "files": files})
             if self.env.is_main:
                 self._commit(folder, step)
@@ -859,6 +961,8 @@ class Snapshots:
             with open(path, encoding="utf-8") as handle:
                 receipt = json.load(handle)
             expected = {rank_file(rank)} | ({SHARED} if rank == 0 else set())
+            if self.sharded and isinstance(receipt, dict) and isinstance(receipt.get("files"), dict):
+                expected |= {name for name in receipt["files"] if _shard_of(name) == rank}
             if (
                 not isinstance(receipt, dict)
                 or not isinstance(receipt.get("files"), dict)
@@ -885,6 +989,20 @@ class Snapshots:
         write_json_atomic(os.path.join(folder, MANIFEST), manifest)
         log.debug("snapshot %s committed", folder)
         self._prune()
+
+    def _write_shards(self, folder, state):
+        """DCP writes this rank's shards (rank 0 also the metadata, once every rank's are written); return their
+        receipts. DCP's collectives run on this writer thread, on the snapshot group only."""
+        sharded = os.path.join(folder, SHARDED_DIR)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(sharded, sync_files=True), process_group=self._group)
+        receipts = {}
+        for name in sorted(os.listdir(sharded)):
+            if _shard_of(f"{SHARDED_DIR}/{name}") == self.env.rank:
+                path = os.path.join(sharded, name)
+                receipts[f"{SHARDED_DIR}/{name}"] = {"size": os.path.getsize(path), "sha256": _sha256_file(path)}
+        if self.env.is_main and f"{SHARDED_DIR}/.metadata" not in receipts:
+            raise SnapshotError(f"{sharded}: torch.distributed.checkpoint wrote no .metadata")
+        return receipts
 
     def _prune(self):
         committed, _ = list_steps(self.directory)

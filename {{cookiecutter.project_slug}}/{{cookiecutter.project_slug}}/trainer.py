@@ -27,7 +27,16 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
@@ -285,13 +294,18 @@ class Trainer:
                 f"{cfg.grad_accum} = {self.global_batch}): lower them"
             )
         self.model = user_model.build_model(cfg, self.train_data).to(env.device)
+        self.sharded = cfg.strategy == "fsdp"
+        if self.sharded:
+            self._shard(self.model)  # before the optimizer: it holds the sharded parameters
         self.val_metrics = getattr(user_model, "val_metrics", None)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.amp_dtype = AMP_DTYPES[cfg.amp]
         self.scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16" and env.device.type == "cuda")
 
         timeout = distributed.collective_timeout(cfg).total_seconds()  # how long one rank may wait for the others
-        self.snapshots = Snapshots(cfg.snapshot_dir, env, keep=cfg.keep_snapshots, commit_timeout=timeout)
+        self.snapshots = Snapshots(
+            cfg.snapshot_dir, env, keep=cfg.keep_snapshots, commit_timeout=timeout, sharded=self.sharded
+        )
         try:  # both decided on rank 0 or agreed by every rank: the same error everywhere
             self.run_id = self.snapshots.prepare(snapshot_bytes(self.model), fresh_start=cfg.resume == "never")
             resumed = self.snapshots.resume()
@@ -332,13 +346,17 @@ class Trainer:
     def forward_backward(self, micro_batches: list) -> None:
         """Forward and backward over the micro-batches of one optimizer step; gradients sync on the last one."""
         self.ddp_model.train()
+        if self.sharded:  # as DDP does at each forward: every rank trains with rank 0's buffers
+            distributed.broadcast_buffers(self.env, self.model)
         for index, (inputs, targets) in enumerate(micro_batches):
             inputs = inputs.to(self.env.device, non_blocking=True)
             targets = targets.to(self.env.device, non_blocking=True)
             last = index == len(micro_batches) - 1
+            if self.sharded:  # FSDP reduce-scatters gradients on the last micro-step only
+                cast(FSDPModule, self.model).set_requires_gradient_sync(last)
             sync = (
                 contextlib.nullcontext()
-                if last or not self.env.is_distributed
+                if last or not self.env.is_distributed or self.sharded
                 else cast(DistributedDataParallel, self.ddp_model).no_sync()
             )
             with sync:
@@ -354,7 +372,8 @@ class Trainer:
             group["lr"] = lr
         if self.cfg.clip_grad:
             self.scaler.unscale_(self.optimizer)
-            self._grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
+            norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
+            self._grad_norm = norm.full_tensor() if isinstance(norm, DTensor) else norm  # fsdp: over every shard
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -429,6 +448,11 @@ class Trainer:
                 inputs, targets = inputs.to(self.env.device), targets.to(self.env.device)
                 _add_batch_sums(sums, self.model(inputs), targets, self.val_metrics)
                 self.hang_watch.beat()
+            if self.sharded:  # each forward gathers parameters from every rank, so every rank runs as many
+                most = math.ceil(len(range(0, len(self.val_data), self.env.world_size)) / self.cfg.batch_size)
+                spare = default_collate([self.val_data[0]])[0].to(self.env.device)
+                for _ in range(most - len(loader)):
+                    self.model(spare)  # its output is not counted
         self.model.train()
         restore_rng(rng_state)
         names = distributed.broadcast_object(self.env, sorted(sums))  # rank 0 always has samples: it names them
@@ -449,13 +473,19 @@ class Trainer:
         """Start writing a snapshot of this step in the background (see snapshot.py); refuse a diverged state."""
         if self._loss_steps:
             self._synced_loss()  # stops the run if the loss since the last log diverged: no NaN snapshot
-        model_state = self.model.state_dict()
+        sharded_state = None
+        if self.sharded:  # model and optimizer: each rank writes its shards (torch.distributed.checkpoint)
+            model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+            sharded_state = {"model": model_state, "optimizer": optimizer_state}
+            model_state, optimizer_state = {}, {}
+        else:
+            model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
         for name, buffer in self.model.named_buffers():
             if name in model_state:  # buffers change during forward (BatchNorm statistics): copy them now
                 model_state[name] = buffer.detach().clone()
         shared = {
             "model": model_state,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer_state,
             "scaler": self.scaler.state_dict(),
             "step": self.progress.step,
             "progress": dataclasses.asdict(self.progress),
@@ -463,15 +493,24 @@ class Trainer:
             "run_id": self.run_id,
             "torch_version": str(torch.__version__),
         }
-        self.snapshots.save(self.progress.step, shared, {"rng": capture_rng()}, blocking=blocking)
+        self.snapshots.save(
+            self.progress.step, shared, {"rng": capture_rng()}, blocking=blocking, sharded_state=sharded_state
+        )
         self.last_saved = self.progress.step
 
     def export(self, name: str) -> None:
-        """Rank 0 writes the model's weights as a plain state dict to <export-dir>/<name>, atomically."""
+        """Rank 0 writes the model's weights as a plain state dict to <export-dir>/<name>, atomically (under fsdp
+        every rank takes part in gathering them: the same file, loadable into a plain build_model(...))."""
+        state: dict[str, Any] = {}
+        if self.sharded:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state = cast(dict[str, Any], get_model_state_dict(self.model, options=options))
+        elif self.env.is_main:
+            state = self.model.state_dict()
         if not self.env.is_main:
             return
         os.makedirs(self.cfg.export_dir, exist_ok=True)
-        weights = {key: value.detach().to("cpu", copy=True) for key, value in self.model.state_dict().items()}
+        weights = {key: value.detach().to("cpu", copy=True) for key, value in state.items()}
         write_atomic(os.path.join(self.cfg.export_dir, name), lambda handle: torch.save(weights, handle))
 
     def finish(self, stop: StopRequest) -> Summary:
@@ -546,7 +585,7 @@ class Trainer:
     def _wrap(self, model: nn.Module) -> nn.Module:
         """DDP (under torchrun), then torch.compile if asked; snapshots keep using the unwrapped `self.model`."""
         ddp_model = model
-        if self.env.is_distributed:
+        if self.env.is_distributed and not self.sharded:
             device_ids = [self.env.device.index] if self.env.device.type == "cuda" else None
             ddp_model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
             if self.resumed_from >= 0:
@@ -554,16 +593,58 @@ class Trainer:
         self.train_model = torch.compile(ddp_model) if self.cfg.compile else ddp_model
         return ddp_model
 
+    def _shard(self, model: nn.Module) -> None:
+        """FSDP2: fully_shard each unit model.py's shard_units(model) names (default: each direct child that has
+        parameters), then the root. Mixed precision (--amp bf16) is FSDP's: bf16 compute, fp32 gradient reduction."""
+        if not self.env.is_distributed:
+            raise RunError(
+                f"{flag('strategy')} fsdp shards the model across the ranks of a torchrun job: start it with torchrun "
+                f"(one rank works: --nproc_per_node=1), or use {flag('strategy')} ddp"
+            )
+        if self.cfg.amp == "fp16":
+            raise RunError(f"{flag('amp')} fp16 is not available with {flag('strategy')} fsdp: use {flag('amp')} bf16")
+        dtype = AMP_DTYPES[self.cfg.amp]
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+        shard_units = getattr(user_model, "shard_units", None)
+        units = shard_units(model) if shard_units else [c for c in model.children() if next(c.parameters(), None)]
+        for unit in units:
+            fully_shard(unit, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+
+    def _load_shards(self, folder: str) -> str:
+        """Load a sharded snapshot's model and optimizer (resharded by torch.distributed.checkpoint when the
+        number of ranks changed); return why it does not fit this model, or ''."""
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
+        try:
+            dcp.load(state, checkpoint_id=folder)
+            set_state_dict(
+                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+            )
+        except (RuntimeError, ValueError, KeyError, dcp.api.CheckpointException) as exc:
+            reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            return f"{type(exc).__name__} loading it" + (f": {reason}" if reason else "")
+        return ""
+
     def _restore(self, resumed: dict) -> dict | None:
         """Load a snapshot into the training objects; return this rank's random streams, or None to re-seed them."""
         folder = os.path.join(self.snapshots.directory, step_name(resumed["step"]))
-        misfit = _misfit(self.model.state_dict(), resumed["model"])
-        try:
-            if not misfit:
-                self.model.load_state_dict(resumed["model"])
-                self.optimizer.load_state_dict(resumed["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as exc:
-            misfit = f"{type(exc).__name__} loading it"
+        written_with = "fsdp" if resumed["sharded_dir"] else "ddp"
+        if written_with != self.cfg.strategy:
+            raise RunError(
+                f"the snapshot {folder} was written with {flag('strategy')} {written_with}: resume with that "
+                f"strategy, or start from scratch with {flag('resume')} never (what the folder holds is moved aside)"
+            )
+        if self.sharded:
+            misfit = self._load_shards(resumed["sharded_dir"])
+        else:
+            misfit = _misfit(self.model.state_dict(), resumed["model"])
+            try:
+                if not misfit:
+                    self.model.load_state_dict(resumed["model"])
+                    self.optimizer.load_state_dict(resumed["optimizer"])
+            except (RuntimeError, ValueError, KeyError) as exc:
+                misfit = f"{type(exc).__name__} loading it"
         if misfit:
             raise RunError(
                 f"the snapshot {folder} does not fit this model ({misfit}): it was written for another model. Start "
