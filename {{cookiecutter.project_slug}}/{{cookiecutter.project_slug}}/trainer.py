@@ -473,16 +473,20 @@ class Trainer:
         """Start writing a snapshot of this step in the background (see snapshot.py); refuse a diverged state."""
         if self._loss_steps:
             self._synced_loss()  # stops the run if the loss since the last log diverged: no NaN snapshot
-        sharded_state = None
-        if self.sharded:  # model and optimizer: each rank writes its shards (torch.distributed.checkpoint)
+        if self.sharded:
+            # DCP keeps one copy of each buffer (BatchNorm statistics): make it rank 0's, as under ddp. The next
+            # step starts from rank 0's anyway.
+            distributed.broadcast_buffers(self.env, self.model)
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-            sharded_state = {"model": model_state, "optimizer": optimizer_state}
-            model_state, optimizer_state = {}, {}
         else:
             model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
         for name, buffer in self.model.named_buffers():
             if name in model_state:  # buffers change during forward (BatchNorm statistics): copy them now
                 model_state[name] = buffer.detach().clone()
+        sharded_state = None
+        if self.sharded:  # model and optimizer: each rank writes its shards (torch.distributed.checkpoint)
+            sharded_state = {"model": model_state, "optimizer": optimizer_state}
+            model_state, optimizer_state = {}, {}
         shared = {
             "model": model_state,
             "optimizer": optimizer_state,
@@ -606,7 +610,10 @@ class Trainer:
         dtype = AMP_DTYPES[self.cfg.amp]
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
         shard_units = getattr(user_model, "shard_units", None)
-        units = shard_units(model) if shard_units else [c for c in model.children() if next(c.parameters(), None)]
+        if shard_units is not None:
+            units = list(shard_units(model))
+        else:
+            units = [child for child in model.children() if any(True for _ in child.parameters())]
         for unit in units:
             fully_shard(unit, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
