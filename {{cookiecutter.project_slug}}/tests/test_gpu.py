@@ -373,3 +373,28 @@ def default_model_names():
     from {{ cookiecutter.project_slug }} import model
 
     return set(model.build_model(default_config(), default_datasets()[0]).state_dict())
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@gpus(1)
+@pytest.mark.parametrize("amp", ["off", "bf16"])
+def test_fsdp_on_a_gpu_resumes_bitwise_and_exports_plain_cpu_weights(tmp_path, amp):
+    args = ARGS + ["--backend", "nccl", "--deterministic", "--amp", amp, "--strategy", "fsdp"]
+    killed_and_resumed(tmp_path, 1, args)
+    reference = torch.load(tmp_path / "reference-export" / "model.pt", weights_only=True, map_location="cpu")
+    resumed = torch.load(tmp_path / "run-export" / "model.pt", weights_only=True)  # no map_location: saved on CPU
+    assert_same_weights(reference, resumed)
+    from {{ cookiecutter.project_slug }}.model import build_model
+
+    train, _ = default_datasets()
+    build_model(default_config(), train).load_state_dict(resumed)  # the plain model, on a CPU
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@gpus(2)
+def test_fsdp_with_nccl_on_two_gpus_resumes_bitwise(tmp_path):
+    killed_and_resumed(tmp_path, 2, ARGS + ["--backend", "nccl", "--deterministic", "--strategy", "fsdp"])
+    reference = torch.load(tmp_path / "reference-export" / "model.pt", weights_only=True, map_location="cpu")
+    assert_same_weights(reference, torch.load(tmp_path / "run-export" / "model.pt", weights_only=True))

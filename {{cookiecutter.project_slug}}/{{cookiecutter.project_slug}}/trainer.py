@@ -8,6 +8,9 @@ What a resume takes from the snapshot, and what from the command line (or --conf
   state); a new --weight-decay replaces the snapshot's; --batch-size and --grad-accum change the step size while
   the data position stays exact in samples. The changed settings are logged once.
 - A snapshot of another model (other layer names or shapes) stops the run with one line: use --resume never.
+
+--strategy ddp (the default) wraps the model in DistributedDataParallel; --strategy fsdp shards it with FSDP2
+(`_shard`), and snapshots then hold the model and optimizer as DCP shards (see snapshot.py).
 """
 
 import contextlib
