@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,6 +18,8 @@ PACKAGE = "{{ cookiecutter.project_slug }}"
 # Settings every test run shares. They name no setting of the model or the data, so the tests run unchanged on
 # whatever model.py and data.py hold.
 QUICK = ["--wandb", "disabled", "--log-every", "5"]
+# Runs compared bit for bit: a snapshot every 10 steps, one thread per rank (the thread count is part of the numerics).
+EXACT = QUICK + ["--snapshot-every", "10", "--threads-per-rank", "1"]
 
 
 def child_env(**extra):
@@ -157,6 +160,24 @@ def worker_pids(agent_pid):
             if item.startswith(b"RANK="):
                 found[int(item[5:])] = int(entry)
     return found
+
+
+def sigkill_at_random_and_resume(tmp_path, nproc, args, kill_after=(12, 40)):
+    """An uninterrupted run ("reference") and one whose random rank is SIGKILLed after a random logged step in
+    `kill_after`, at a random moment (mid-step, mid-save or between saves), and restarted by torchrun.
+    Returns the summary of the restarted run, which must have finished."""
+    run(train_cmd(nproc) + args + outputs(tmp_path, "reference"))
+    proc = start(train_cmd(nproc, ["--max-restarts=2"]) + args + outputs(tmp_path))
+    step = random.randint(*kill_after)
+    wait_for(lambda: any(logged >= step for logged in logged_steps(tmp_path)), timeout=180, what=f"step {step}")
+    time.sleep(random.uniform(0, 0.3))
+    victim = random.randrange(nproc)
+    os.kill(worker_pids(proc.pid)[victim], signal.SIGKILL)
+    code, out = finish(proc)
+    assert code == 0, out[-5000:]
+    resumed = summary(tmp_path)
+    print(f"\n{nproc} ranks: killed rank {victim} after step {step}, resumed from {resumed['resumed_from']}")
+    return resumed
 
 
 def wait_for(predicate, timeout=60, interval=0.05, what="condition"):

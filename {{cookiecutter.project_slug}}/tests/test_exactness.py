@@ -2,61 +2,32 @@
 4 ranks too, and a job resumed on another number of ranks keeps the run's length and schedule in samples.
 """
 
-import os
-import random
-import signal
-import time
-
 import pytest
 from conftest import (
+    EXACT,
     assert_same_weights,
     child_env,
     final_model,
-    finish,
-    logged_steps,
     metrics,
     outputs,
     run,
-    start,
+    sigkill_at_random_and_resume,
     summary,
     train_cmd,
-    wait_for,
-    worker_pids,
 )
 
 STEPS = 60
-ARGS = [
-    "--wandb",
-    "disabled",
-    "--log-every",
-    "5",
-    "--max-steps",
-    str(STEPS),
-    "--snapshot-every",
-    "10",
-    "--threads-per-rank",
-    "1",
-]
+ARGS = EXACT + ["--max-steps", str(STEPS)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [3, 4])
 def test_sigkill_at_a_random_moment_ends_bitwise_equal_with_3_and_4_ranks(tmp_path, nproc):
     """DDP's gradient buckets are settled before the first resumed step (gloo's ring sums in bucket order)."""
-    run(train_cmd(nproc) + ARGS + outputs(tmp_path, "reference"))
-    proc = start(train_cmd(nproc, ["--max-restarts=2"]) + ARGS + outputs(tmp_path))
-    kill_after = random.randint(12, 40)
-    wait_for(lambda: any(step >= kill_after for step in logged_steps(tmp_path)), timeout=180, what=f"step {kill_after}")
-    time.sleep(random.uniform(0, 0.3))  # mid-step, mid-save or between saves
-    victim = random.randrange(nproc)
-    os.kill(worker_pids(proc.pid)[victim], signal.SIGKILL)
-    code, out = finish(proc)
-    assert code == 0, out[-5000:]
-    resumed = summary(tmp_path)
+    resumed = sigkill_at_random_and_resume(tmp_path, nproc, ARGS)
     assert resumed["steps"] == STEPS and resumed["resumed_from"] >= 0, resumed
     reference = final_model(tmp_path / "reference-snapshots")
     assert_same_weights(reference["model"], final_model(tmp_path / "run-snapshots")["model"])
-    print(f"\n{nproc} ranks: killed rank {victim} after step {kill_after}, resumed from {resumed['resumed_from']}")
 
 
 @pytest.mark.slow

@@ -3,44 +3,26 @@ the project's receipts, checksums and commit marker) survive a SIGKILL bitwise a
 falls back to the previous snapshot, another number of ranks reshards, and the export is a plain state dict.
 """
 
-import os
-import random
 import shutil
-import signal
-import time
 
 import pytest
 import torch
 from conftest import (
+    EXACT,
     assert_same_weights,
     default_config,
     default_datasets,
-    finish,
-    logged_steps,
     outputs,
     run,
-    start,
+    sigkill_at_random_and_resume,
     summary,
     train_cmd,
-    wait_for,
-    worker_pids,
 )
 
 from {{ cookiecutter.project_slug }}.model import build_model
 
 STEPS = 40
-ARGS = [
-    "--wandb",
-    "disabled",
-    "--log-every",
-    "5",
-    "--max-steps",
-    str(STEPS),
-    "--snapshot-every",
-    "10",
-    "--threads-per-rank",
-    "1",
-]
+ARGS = EXACT + ["--max-steps", str(STEPS)]
 FSDP = ["--strategy", "fsdp"]
 
 
@@ -70,24 +52,14 @@ def test_fsdp_trains_like_ddp_and_exports_weights_that_load_into_a_plain_model(t
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_fsdp_sigkill_at_a_random_moment_ends_bitwise_equal(tmp_path, nproc):
-    run(train_cmd(nproc) + ARGS + FSDP + outputs(tmp_path, "reference"))
-    proc = start(train_cmd(nproc, ["--max-restarts=2"]) + ARGS + FSDP + outputs(tmp_path))
-    kill_after = random.randint(11, 30)
-    wait_for(lambda: any(step >= kill_after for step in logged_steps(tmp_path)), timeout=180, what=f"step {kill_after}")
-    time.sleep(random.uniform(0, 0.3))  # mid-step, mid-save or between saves
-    victim = random.randrange(nproc)
-    os.kill(worker_pids(proc.pid)[victim], signal.SIGKILL)
-    code, out = finish(proc)
-    assert code == 0, out[-5000:]
-    resumed = summary(tmp_path)
+    resumed = sigkill_at_random_and_resume(tmp_path, nproc, ARGS + FSDP, kill_after=(11, 30))
     assert resumed["steps"] == STEPS and resumed["resumed_from"] >= 10, resumed
     assert_same_weights(exported(tmp_path, "reference"), exported(tmp_path))
-    print(f"\n{nproc} ranks: killed rank {victim} after step {kill_after}, resumed from {resumed['resumed_from']}")
 
 
 @pytest.mark.slow
 def test_fsdp_damaged_shard_falls_back_and_one_rank_reshards_the_snapshot(tmp_path):
-    args = ARGS[:-4] + ["--snapshot-every", "20", "--threads-per-rank", "1"] + FSDP
+    args = ARGS + FSDP + ["--snapshot-every", "20"]  # the last of a repeated flag counts
     run(train_cmd(2) + args + outputs(tmp_path))
     reference = exported(tmp_path)
     snapshots = tmp_path / "run-snapshots"
