@@ -383,6 +383,17 @@ def _eventually(check, timeout=SHARED_FOLDER_WAIT_S, interval=0.2):
     return True
 
 
+def _map_state(obj: Any, fn, path: tuple = ()) -> Any:
+    """A copy of a state's dicts, lists and tuples with every other value replaced by fn(place, value), where
+    place is the tuple of keys and indices that leads to the value from `path`."""
+    if isinstance(obj, dict):
+        return {key: _map_state(value, fn, path + (key,)) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [_map_state(value, fn, path + (index,)) for index, value in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items)
+    return fn(path, obj)
+
+
 def _copy_to_cpu(obj, staging, path=(), staged=None):
     """A deep copy with every tensor copied to CPU memory: what the writer thread serializes.
 
@@ -392,22 +403,20 @@ def _copy_to_cpu(obj, staging, path=(), staged=None):
     A tensor whose place is in `staged` (CUDA tensors, see _DeviceCopies) is already on its way to the pinned
     buffer named there.
     """
-    if isinstance(obj, torch.Tensor):
-        if staged and path in staged:
-            return staged[path]
-        buffer = staging.get(path)
-        reusable = buffer is not None and obj.layout == torch.strided
-        if reusable and buffer.shape == obj.shape and buffer.dtype == obj.dtype:
-            return buffer.copy_(obj.detach())
-        staging[path] = obj.detach().to("cpu", copy=True)
-        return staging[path]
-    if isinstance(obj, dict):
-        return {key: _copy_to_cpu(value, staging, path + (key,), staged) for key, value in obj.items()}
-    if isinstance(obj, list):
-        return [_copy_to_cpu(value, staging, path + (index,), staged) for index, value in enumerate(obj)]
-    if isinstance(obj, tuple):
-        return tuple(_copy_to_cpu(value, staging, path + (index,), staged) for index, value in enumerate(obj))
-    return copy.deepcopy(obj)
+
+    def copy_one(place, value):
+        if not isinstance(value, torch.Tensor):
+            return copy.deepcopy(value)
+        if staged and place in staged:
+            return staged[place]
+        buffer = staging.get(place)
+        reusable = buffer is not None and value.layout == torch.strided
+        if reusable and buffer.shape == value.shape and buffer.dtype == value.dtype:
+            return buffer.copy_(value.detach())
+        staging[place] = value.detach().to("cpu", copy=True)
+        return staging[place]
+
+    return _map_state(obj, copy_one, path)
 
 
 class _DeviceCopies:
@@ -473,45 +482,36 @@ def _shard_of(name: str) -> int | None:
     return int(match.group(2)) if match.group(2) is not None else 0
 
 
-def _split_dtensors(obj: Any, path: tuple = ()) -> tuple[Any, dict[tuple, tuple]]:
+def _split_dtensors(obj: Any) -> tuple[Any, dict[tuple, tuple]]:
     """(obj with each DTensor replaced by this rank's local shard, {place: how to put the DTensor back}).
 
     The copies off the training thread (and onto pinned memory) then treat shards as the plain tensors they are.
     """
-    if isinstance(obj, DTensor):
-        return obj.to_local(), {path: (obj.device_mesh, obj.placements, obj.shape, obj.stride())}
     layouts: dict[tuple, tuple] = {}
-    if isinstance(obj, dict):
-        out: Any = {}
-        for key, value in obj.items():
-            out[key], found = _split_dtensors(value, path + (key,))
-            layouts.update(found)
-        return out, layouts
-    if isinstance(obj, (list, tuple)):
-        items = []
-        for index, value in enumerate(obj):
-            item, found = _split_dtensors(value, path + (index,))
-            items.append(item)
-            layouts.update(found)
-        return (items if isinstance(obj, list) else tuple(items)), layouts
-    return obj, layouts
+
+    def local(place, value):
+        if not isinstance(value, DTensor):
+            return value
+        layouts[place] = (value.device_mesh, value.placements, value.shape, value.stride())
+        return value.to_local()
+
+    return _map_state(obj, local), layouts
 
 
-def _join_dtensors(obj: Any, layouts: dict[tuple, tuple], path: tuple = ()) -> Any:
+def _join_dtensors(obj: Any, layouts: dict[tuple, tuple]) -> Any:
     """The inverse of _split_dtensors, around the (copied) local shards."""
-    if path in layouts:
-        mesh, placements, shape, stride = layouts[path]
-        return DTensor.from_local(obj, mesh, placements, run_check=False, shape=shape, stride=stride)
-    if isinstance(obj, dict):
-        return {key: _join_dtensors(value, layouts, path + (key,)) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [_join_dtensors(value, layouts, path + (index,)) for index, value in enumerate(obj)]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
+
+    def wrap(place, value):
+        if place not in layouts:
+            return value
+        mesh, placements, shape, stride = layouts[place]
+        return DTensor.from_local(value, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+    return _map_state(obj, wrap)
 
 
 def _cuda_tensors(obj, path):
-    """(place, tensor) of every strided CUDA tensor in obj, walking dicts, lists and tuples as _copy_to_cpu does."""
+    """(place, tensor) of every strided CUDA tensor in obj, walking dicts, lists and tuples as _map_state does."""
     if isinstance(obj, torch.Tensor):
         if obj.is_cuda and obj.layout == torch.strided:
             yield path, obj.detach()
