@@ -16,21 +16,34 @@
 --snapshot-dir; `--resume never` starts from scratch (moving what the folder holds aside).
 """
 
+from __future__ import annotations
+
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING, cast
 
-from torch.distributed.elastic.multiprocessing.errors import record
+from {{ cookiecutter.project_slug }} import config  # no torch in it: --help and a mistyped flag answer at once
 
-from {{ cookiecutter.project_slug }} import config, debug, distributed, joblock, logs, trainer
-from {{ cookiecutter.project_slug }}.snapshot import SnapshotError
+if TYPE_CHECKING:
+    from {{ cookiecutter.project_slug }}.trainer import Summary
 
 log = logging.getLogger("{{ cookiecutter.project_slug }}.train")
 
 
-@record  # a failing rank's traceback reaches torchrun's summary
-def main(argv: list[str] | None = None) -> trainer.Summary:
-    cfg = config.parse_args(argv)
+def main(argv: list[str] | None = None) -> Summary:
+    cfg = config.parse_args(argv)  # before torch loads (2-3 s): a bad command line costs no wait
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    # record: a failing rank's traceback reaches torchrun's summary (it returns what run returns, or raises)
+    return cast("Summary", record(run)(cfg))
+
+
+def run(cfg: config.Config) -> Summary:
+    """Train with settings already parsed: set up this rank, train, tear down."""
+    from {{ cookiecutter.project_slug }} import debug, distributed, joblock, logs, trainer
+    from {{ cookiecutter.project_slug }}.snapshot import SnapshotError
+
     env = distributed.read_env()
     logs.setup(env.rank, cfg.log_file)
     if os.environ.get("TORCHELASTIC_RUN_ID"):
