@@ -1,6 +1,7 @@
 """--strategy fsdp for real: FSDP2 on gloo trains like DDP, its sharded snapshots (torch.distributed.checkpoint under
-the project's receipts, checksums and commit marker) survive a SIGKILL bitwise at 2 and 3 ranks, a damaged shard
-falls back to the previous snapshot, another number of ranks reshards, and the export is a plain state dict.
+the project's receipts, checksums and commit marker) survive a SIGKILL bitwise at 3 ranks (uneven shards), a
+damaged shard falls back to the previous snapshot, another number of ranks reshards, and the export is a plain
+state dict.
 """
 
 import shutil
@@ -50,9 +51,8 @@ def test_fsdp_trains_like_ddp_and_exports_weights_that_load_into_a_plain_model(t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [2, 3])
-def test_fsdp_sigkill_at_a_random_moment_ends_bitwise_equal(tmp_path, nproc):
-    resumed = sigkill_at_random_and_resume(tmp_path, nproc, ARGS + FSDP, kill_after=(11, 30))
+def test_fsdp_sigkill_at_a_random_moment_ends_bitwise_equal_with_3_ranks(tmp_path):
+    resumed = sigkill_at_random_and_resume(tmp_path, 3, ARGS + FSDP, kill_after=(11, 30))
     assert resumed["steps"] == STEPS and resumed["resumed_from"] >= 10, resumed
     assert_same_weights(exported(tmp_path, "reference"), exported(tmp_path))
 

@@ -55,11 +55,35 @@ def test_single_process_trains_and_summarizes(tmp_path):
     assert console and INFO_LINE.findall((tmp_path / "run.log").read_text()) == console
 
 
+# One 2-rank run serves the tests below it: main() runs in a script that, once main() has returned, writes down
+# the threads each rank still has.
+LEFT_THREADS = """
+import os, sys
+import train
+train.main(sys.argv[1:])
+if os.path.isdir("/proc/self/task"):
+    names = sorted(open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task"))
+    with open(os.path.join(os.environ["THREADS_OUT"], f"rank{os.environ['RANK']}.txt"), "w") as handle:
+        handle.write(" ".join(names))
+"""
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    """(console output, folder) of a finished 2-rank run of 20 steps."""
+    tmp_path = tmp_path_factory.mktemp("two-ranks")
+    script = tmp_path / "run_main.py"
+    script.write_text(LEFT_THREADS)
+    cmd = train_cmd(nproc=2)[:-1] + [str(script)]
+    result = run(cmd + QUICK + ["--max-steps", "20"] + outputs(tmp_path), env=child_env(THREADS_OUT=tmp_path))
+    return result.stdout, tmp_path
+
+
 @pytest.mark.slow
-def test_two_ranks_log_each_info_record_once(tmp_path):
-    result = run(train_cmd(nproc=2) + QUICK + ["--max-steps", "20"] + outputs(tmp_path))
-    records = INFO_LINE.findall(result.stdout)
-    assert records, result.stdout
+def test_two_ranks_log_each_info_record_once(two_rank_run):
+    console, tmp_path = two_rank_run
+    records = INFO_LINE.findall(console)
+    assert records, console
     assert {rank for rank, _ in records} == {"0"}, "INFO records must come from rank 0 only"
     counts = collections.Counter(message for _, message in records)
     assert max(counts.values()) == 1, f"repeated records: {[m for m, n in counts.items() if n > 1]}"
@@ -67,25 +91,18 @@ def test_two_ranks_log_each_info_record_once(tmp_path):
     assert (done["world_size"], done["steps"]) == (2, 20)
 
 
-LEFT_THREADS = """
-import os, sys
-import train
-train.main(sys.argv[1:])
-names = sorted(open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task"))
-with open(os.path.join(os.environ["THREADS_OUT"], f"rank{os.environ['RANK']}.txt"), "w") as handle:
-    handle.write(" ".join(names))
-"""
+@pytest.mark.slow
+def test_quiet_ranks_stay_quiet_without_debug_all_ranks(two_rank_run):
+    console, _ = two_rank_run
+    assert "[rank 1]" not in console
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the threads of a process from /proc")
-def test_a_finished_run_ends_the_process_group_before_the_interpreter_exits(tmp_path):
+def test_a_finished_run_ends_the_process_group_before_the_interpreter_exits(two_rank_run):
     """No gloo or store thread is left when main() returns: none can run into interpreter shutdown and abort
     a process whose run succeeded."""
-    script = tmp_path / "run_main.py"
-    script.write_text(LEFT_THREADS)
-    cmd = train_cmd(nproc=2)[:-1] + [str(script)]
-    run(cmd + QUICK + ["--max-steps", "4"] + outputs(tmp_path), env=child_env(THREADS_OUT=tmp_path))
+    _, tmp_path = two_rank_run
     left = {path.stem: path.read_text().split() for path in tmp_path.glob("rank*.txt")}
     assert left.keys() == {"rank0", "rank1"}, left
     for rank, names in left.items():
@@ -117,12 +134,6 @@ def test_debug_all_ranks_and_per_rank_log_files(tmp_path):
     assert re.search(r"INFO \[rank 1\]", result.stdout), "DEBUG_ALL_RANKS=1 puts every rank's records on the console"
     rank1 = (tmp_path / "rank1.log").read_text()
     assert "DEBUG [rank 1]" in rank1 and "[rank 0]" not in rank1
-
-
-@pytest.mark.slow
-def test_quiet_ranks_stay_quiet_without_debug_all_ranks(tmp_path):
-    result = run(train_cmd(nproc=2) + QUICK + ["--max-steps", "5"] + outputs(tmp_path))
-    assert "[rank 1]" not in result.stdout
 
 
 def test_logging_setup_twice_adds_no_duplicate_handlers(capfd):
