@@ -173,7 +173,10 @@ def test_own_model_and_data_pass_the_whole_suite(tmp_path):
     demo_names = re.compile(r"--width|--depth|--dropout|--dataset-size|--val-size|TeacherDataset|\bMLP\b")
     for path in [*project.glob("ddp_project/*.py"), *project.glob("tests/*.py"), project / "train.py"]:
         assert not demo_names.search(path.read_text()), f"{path.relative_to(project)} still names the demo"
-    result = run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", timeout=1200)
+    # Two test files at a time, as the baked README shows: each file's runs (and its shared ones) stay together.
+    result = run_in(
+        project, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile", timeout=1200
+    )
     summary = result.stdout.strip().splitlines()[-1]
     assert re.search(r"\d+ passed", summary) and "failed" not in summary, summary
     print(f"the swapped-in model's run of the baked suite: {summary}")
