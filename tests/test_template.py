@@ -1,5 +1,6 @@
 """The template: bakes with every choice and awkward text, refuses bad answers, and its projects pass their tests."""
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -111,29 +112,16 @@ def _clean_env():
     return {k: v for k, v in os.environ.items() if not k.startswith(("DEBUG_", "WANDB_", "PYTEST_"))}
 
 
-def strip_jsonc(text):
-    """JSON with comments and trailing commas -> JSON, leaving string contents alone."""
-    out, i, in_string = [], 0, False
-    while i < len(text):
-        char = text[i]
-        if in_string:
-            out.append(char)
-            if char == "\\":
-                out.append(text[i + 1])
-                i += 1
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-            out.append(char)
-        elif text.startswith("//", i):
-            i = text.find("\n", i) - 1 if "\n" in text[i:] else len(text)
-        elif text.startswith("/*", i):
-            i = text.index("*/", i) + 1
-        else:
-            out.append(char)
-        i += 1
-    return re.sub(r",(\s*[}\]])", r"\1", "".join(out))
+def _load_jsonc():
+    """The baked tests' reader of VSCode's JSON with comments (it holds no template variable): one copy of it."""
+    path = ROOT / "{{cookiecutter.project_slug}}" / "tests" / "jsonc.py"
+    spec = importlib.util.spec_from_file_location("baked_jsonc", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.load_jsonc
+
+
+load_jsonc = _load_jsonc()
 
 
 def swap_in_own_model(project):
@@ -217,7 +205,7 @@ def test_awkward_text_bakes_into_valid_python_toml_and_json(tmp_path):
     assert meta["description"] == AWKWARD["description"]
     assert meta["authors"] == [{"name": AWKWARD["author"]}]
     for path in (project / ".vscode").glob("*.json"):
-        json.loads(strip_jsonc(path.read_text(encoding="utf-8")))
+        load_jsonc(path)
     shown = run_in(project, "-c", "from awkward_project import baked; print(ascii(baked.PROJECT_NAME))").stdout
     assert shown.strip() == ascii(AWKWARD["project_name"])
     assert AWKWARD["project_name"] in (project / "README.md").read_text(encoding="utf-8")
@@ -273,7 +261,7 @@ def test_backend_choice_is_the_default_and_can_be_overridden(tmp_path, backend):
 def test_nproc_and_debug_port_reach_every_place_that_uses_them(tmp_path):
     project = bake(tmp_path, nproc_per_node="4", debug_port="6000")
     assert_clean_bake(project)
-    launch = json.loads(strip_jsonc((project / ".vscode" / "launch.json").read_text()))
+    launch = load_jsonc(project / ".vscode" / "launch.json")
     f5 = next(c for c in launch["configurations"] if c.get("module") == "torch.distributed.run")
     assert "--nproc_per_node=4" in f5["args"]
     assert "6003" in (project / ".vscode" / "launch.json").read_text()
@@ -323,8 +311,8 @@ def test_choice_keys_refuse_unknown_values(tmp_path):
 
 
 def test_template_vscode_configurations_parse_and_name_existing_tasks():
-    launch = json.loads(strip_jsonc((ROOT / ".vscode" / "launch.json").read_text()))
-    tasks = json.loads(strip_jsonc((ROOT / ".vscode" / "tasks.json").read_text()))
+    launch = load_jsonc(ROOT / ".vscode" / "launch.json")
+    tasks = load_jsonc(ROOT / ".vscode" / "tasks.json")
     labels = {task["label"] for task in tasks["tasks"]}
     for config in launch["configurations"]:
         assert config["type"] == "debugpy", config["name"]

@@ -35,6 +35,7 @@ from conftest import (
     summary,
     train_cmd,
 )
+from jsonc import load_jsonc
 
 from {{ cookiecutter.project_slug }} import baked, trainer
 
@@ -44,26 +45,6 @@ SHORT = QUICK + ["--max-steps", "10"]
 
 
 # VSCode's side: its files, their variables, its tasks.
-
-
-def load_jsonc(path):
-    """Parse JSON with // and /* */ comments, as VSCode reads its settings files (strings left alone)."""
-    text, out, i = path.read_text(), [], 0
-    while i < len(text):
-        if text[i] == '"':
-            end = i + 1
-            while text[end] != '"':
-                end += 2 if text[end] == "\\" else 1
-            out.append(text[i : end + 1])
-            i = end + 1
-        elif text.startswith("//", i):
-            i = text.find("\n", i) if "\n" in text[i:] else len(text)
-        elif text.startswith("/*", i):
-            i = text.index("*/", i) + 2
-        else:
-            out.append(text[i])
-            i += 1
-    return json.loads("".join(out))  # strict: no trailing commas either
 
 
 def vscode_variables(workspace):

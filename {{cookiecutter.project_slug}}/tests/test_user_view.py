@@ -8,7 +8,8 @@ import sys
 
 import pytest
 from conftest import PACKAGE, ROOT, finish, outputs, run, start, train_cmd, wait_for, worker_pids
-from test_debug import configuration, launch_json, load_jsonc, resolve
+from jsonc import load_jsonc
+from test_debug import configuration, launch_json, resolve
 
 from {{ cookiecutter.project_slug }} import baked, plot
 from {{ cookiecutter.project_slug }}.snapshot import load_latest
