@@ -93,25 +93,15 @@ def progress_matches(progress, samples):
 
 
 @pytest.mark.slow
-def test_two_nodes_train_like_one_node_with_two_ranks(tmp_path, reference_runs):
-    agents = start_nodes([ARGS + outputs(tmp_path)] * 2)
-    reference = reference_runs(ARGS)  # the one-node run, while the agents run
-    results = finish_all(agents)
-    for node, (code, out) in enumerate(results):
-        assert code == 0, f"node {node} exited {code}:\n{out[-6000:]}"
-    assert summary(tmp_path)["world_size"] == 2  # one world of two ranks, not two of one
-    final = final_model(tmp_path / "run-snapshots")
-    assert (final["step"], final["world_size"]) == (STEPS, 2)
-    assert_same_weights(final["model"], reference["model"])
-
-
-@pytest.mark.slow
-def test_killed_worker_on_one_node_restarts_every_node(tmp_path, reference_runs):
+def test_two_nodes_train_like_one_and_a_worker_killed_on_one_restarts_every_node(tmp_path, reference_runs):
+    """Two agents of one rank each make one 2-rank world: killed on node 1, it resumes on both nodes and ends
+    bitwise-equal to the one-node run."""
     agents = start_nodes([ARGS + outputs(tmp_path)] * 2, torchrun_args=["--max-restarts=3"])
-    wait_for(lambda: committed(tmp_path / "run-snapshots"), timeout=120, what="a first snapshot")
+    wait_for(lambda: committed(tmp_path / "run-snapshots", world_size=2), timeout=120, what="a first snapshot")
     victim = worker_pids(agents[1].pid)
     assert victim, "node 1 runs no worker"
     os.kill(next(iter(victim.values())), signal.SIGKILL)
+    reference = reference_runs(ARGS)  # the one-node run, while the agents run
     results = finish_all(agents)
     for node, (code, out) in enumerate(results):
         assert code == 0, f"node {node} exited {code}:\n{out[-6000:]}"
@@ -119,7 +109,9 @@ def test_killed_worker_on_one_node_restarts_every_node(tmp_path, reference_runs)
         assert out.count("Rendezvous complete for workers") >= 2, f"node {node} did not restart:\n{out[-6000:]}"
     done = summary(tmp_path)
     assert done["resumed_from"] > 0 and (done["world_size"], done["steps"]) == (2, STEPS), done
-    assert_same_weights(final_model(tmp_path / "run-snapshots")["model"], reference_runs(ARGS)["model"])
+    final = final_model(tmp_path / "run-snapshots")
+    assert (final["step"], final["world_size"]) == (STEPS, 2)  # one world of two ranks, not two of one
+    assert_same_weights(final["model"], reference["model"])
 
 
 @pytest.mark.slow
