@@ -14,7 +14,7 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
 
-from {{ cookiecutter.project_slug }} import snapshot
+from {{ cookiecutter.project_slug }} import snapshot, tracking
 from {{ cookiecutter.project_slug }}.distributed import DistEnv
 from {{ cookiecutter.project_slug }}.snapshot import (
     MANIFEST,
@@ -39,6 +39,7 @@ def outside_torchrun(monkeypatch):
 def save_steps(folder, steps, keep=10):
     snapshots = Snapshots(folder, DistEnv(), keep=keep)
     snapshots.prepare(estimated_bytes=1)
+    tracking.run_id(DistEnv(), str(folder))  # as a run does: its id beside the snapshots
     for step in steps:
         weights = torch.full((64,), float(step))
         snapshots.save(step, {"model": {"w": weights}, "step": step}, {"rng": torch.arange(step)}, blocking=True)
@@ -172,10 +173,18 @@ def test_folder_without_room_fails_at_start_up(tmp_path):
         Snapshots(tmp_path, DistEnv(), keep=3).prepare(estimated_bytes=2**60)
 
 
+def start_up(folder, fresh_start=False):
+    """What a run does first: take the snapshot folder, then read (or create) the run id kept in it."""
+    snapshots = Snapshots(folder, DistEnv(), keep=3)
+    snapshots.prepare(estimated_bytes=1, fresh_start=fresh_start)
+    return snapshots, tracking.run_id(DistEnv(), str(folder))
+
+
 def test_run_id_survives_restarts(tmp_path):
-    first = Snapshots(tmp_path, DistEnv(), keep=3).prepare(estimated_bytes=1)
-    second = Snapshots(tmp_path, DistEnv(), keep=3).prepare(estimated_bytes=1)
-    assert first == second and len(first) == 8
+    first, first_id = start_up(tmp_path)
+    first.close()
+    _, second_id = start_up(tmp_path)
+    assert first_id == second_id and len(first_id) == 8
 
 
 # -- the manifest: its whole shape and its own checksum ------------------------------------------------------------
@@ -283,7 +292,7 @@ def test_start_up_removes_what_interrupted_start_ups_left(tmp_path):
     for path in leftovers:
         path.write_text("{}")
     (tmp_path / "notes.txt").write_text("mine")
-    assert Snapshots(tmp_path, DistEnv(), keep=3).prepare(estimated_bytes=1) == run_id
+    assert start_up(tmp_path)[1] == run_id
     assert not any(path.exists() for path in leftovers)
     assert (tmp_path / "notes.txt").read_text() == "mine" and load_latest(str(tmp_path))["step"] == 10
 
@@ -302,11 +311,9 @@ def test_start_up_removes_what_interrupted_start_ups_left(tmp_path):
 )
 def test_odd_run_file_is_one_clear_error(tmp_path, make):
     make(tmp_path / RUN_FILE)
-    snapshots = Snapshots(tmp_path, DistEnv(), keep=3)
     with pytest.raises(SnapshotError, match=f"^{re.escape(str(tmp_path / RUN_FILE))} .*: delete it") as info:
-        snapshots.prepare(estimated_bytes=1)
+        start_up(tmp_path)
     assert "\n" not in str(info.value)
-    assert not (tmp_path / "job.lock").exists(), "a failed start-up gives the folder up"
 
 
 def test_disk_full_during_a_save_says_so(tmp_path, monkeypatch):
@@ -351,8 +358,7 @@ def test_fresh_start_moves_the_old_snapshots_aside_intact(tmp_path, caplog):
     save_steps(folder, [10, 20])
     before = file_digests(folder)
     old_run_id = json.loads((folder / RUN_FILE).read_text())["run_id"]
-    snapshots = Snapshots(folder, DistEnv(), keep=3)
-    run_id = snapshots.prepare(estimated_bytes=1, fresh_start=True)
+    snapshots, run_id = start_up(folder, fresh_start=True)
     assert snapshots.resume() is None and load_latest(str(folder)) is None
     assert run_id != old_run_id, "a fresh start is a new run"
     aside = [path for path in tmp_path.iterdir() if path.name.startswith("snapshots.set-aside-")]
@@ -385,13 +391,13 @@ def test_fresh_start_of_a_restarted_job_resumes_its_own_snapshots(tmp_path, monk
     save_steps(folder, [10, 20])
     run_id = json.loads((folder / RUN_FILE).read_text())["run_id"]
     before = file_digests(folder)
-    snapshots = Snapshots(folder, DistEnv(), keep=3)  # the same torchrun job, restarted
-    assert snapshots.prepare(estimated_bytes=1, fresh_start=True) == run_id
+    snapshots, restarted_id = start_up(folder, fresh_start=True)  # the same torchrun job, restarted
+    assert restarted_id == run_id
     assert snapshots.resume()["step"] == 20
     snapshots.close()
     assert [path.name for path in tmp_path.iterdir()] == ["snapshots"] and file_digests(folder) == before
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-2")  # another job: it starts afresh
-    snapshots = Snapshots(folder, DistEnv(), keep=3)
-    assert snapshots.prepare(estimated_bytes=1, fresh_start=True) != run_id
+    snapshots, new_id = start_up(folder, fresh_start=True)
+    assert new_id != run_id
     assert snapshots.resume() is None
     snapshots.close()

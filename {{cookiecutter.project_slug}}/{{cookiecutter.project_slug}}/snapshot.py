@@ -3,7 +3,7 @@
 Layout of the snapshot folder (one job per folder; on several machines it must be a shared folder):
 
     job.lock                   held by rank 0 of the job training into the folder (see joblock.py)
-    run.json                   the run id (wandb), kept by every restart and re-launch of the job
+    run.json                   the run id (wandb; see tracking.run_id), kept by every restart and re-launch
     step-00000100/             one snapshot, taken after 100 optimizer steps
         shared.pt              model, optimizer, scheduler, scaler, data position, config (rank 0 writes it)
         rank-00000.pt          one rank's own state: its random number streams (each rank writes its own)
@@ -58,7 +58,6 @@ SHARDED_DIR = "sharded"
 SHARDED_FILE = re.compile(r"^sharded/(__(\d+)_\d+\.distcp|\.metadata)$")  # what DCP's FileSystemWriter writes
 RUN_FILE = "run.json"
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
-RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")  # what wandb accepts as a run id
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 MAX_WORLD_SIZE = 1_000_000
 MANIFEST_KEYS = ("format", "step", "world_size", "files", "job", "manifest_sha256")
@@ -598,16 +597,17 @@ class Snapshots:
 
     # -- start-up ------------------------------------------------------------------------------------------------
 
-    def prepare(self, estimated_bytes: int, fresh_start: bool = False) -> str:
-        """Take the folder for this job and check it early; return the run id.
+    def prepare(self, estimated_bytes: int, fresh_start: bool = False) -> None:
+        """Take the folder for this job and check it early.
 
         Rank 0 takes the job lock (another live job's folder is refused), moves old contents aside when
         `fresh_start` asks for it (see the module docstring), checks the folder is writable, has room and is
-        seen by every rank, clears what interrupted saves and start-ups left, and reads or creates the run id.
+        seen by every rank, and clears what interrupted saves and start-ups left. (The run id kept in the folder
+        is tracking's: tracking.run_id.)
         Errors are decided on rank 0 and raised on every rank, so no rank is left waiting at a collective.
         """
         try:
-            return self._prepare(estimated_bytes, fresh_start)
+            self._prepare(estimated_bytes, fresh_start)
         except BaseException:
             self.close()
             raise
@@ -636,16 +636,6 @@ class Snapshots:
                 f"not every rank sees the snapshot folder {main_directory} that rank 0 writes to "
                 f"({'; '.join(blind[:3])}{more}): on several machines, --snapshot-dir must be a folder they all share"
             )
-        problem, run_id = None, None
-        if env.is_main:
-            try:
-                run_id = self._read_or_create_run_id()
-            except SnapshotError as exc:
-                problem = str(exc)
-        problem, run_id = distributed.broadcast_object(env, (problem, run_id))
-        if problem:
-            raise SnapshotError(problem)
-        return run_id
 
     def _check_folder(self, estimated_bytes, fresh_start):
         """Rank 0's part of prepare(): (a problem in one line or None, the token of the probe file)."""
@@ -750,30 +740,6 @@ class Snapshots:
             for name in os.listdir(folder):
                 if ".tmp-" in name:
                     os.remove(os.path.join(folder, name))
-
-    def _read_or_create_run_id(self):
-        path = os.path.join(self.directory, RUN_FILE)
-        remedy = "delete it to start a new run id (a new wandb run)"
-        if os.path.isdir(path):
-            raise SnapshotError(f"{path} is a folder, not the run file: {remedy}")
-        try:
-            with open(path, encoding="utf-8") as handle:
-                content = json.load(handle)
-        except FileNotFoundError:
-            run_id = secrets.token_hex(4)
-            write_json_atomic(path, {"run_id": run_id})
-            return run_id
-        except (OSError, ValueError, RecursionError) as exc:
-            raise SnapshotError(f"{path} is damaged ({type(exc).__name__}: {exc}): {remedy}") from exc
-        if not isinstance(content, dict):
-            raise SnapshotError(f"{path} holds a JSON {type(content).__name__}, not an object with a run_id: {remedy}")
-        run_id = content.get("run_id")
-        if not isinstance(run_id, str) or not RUN_ID.match(run_id):
-            raise SnapshotError(
-                f"{path} has run_id {_short(run_id)}, not a string of 1 to 128 letters, digits, "
-                f"'_', '-' or '.': {remedy}"
-            )
-        return run_id
 
     def resume(self) -> dict | None:
         """The newest snapshot good for every rank, loaded on every rank; None when the folder holds none.

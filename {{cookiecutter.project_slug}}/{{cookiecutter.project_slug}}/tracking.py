@@ -1,8 +1,8 @@
 """Experiment tracking: wandb and a local metrics file on rank 0, a tracker that does nothing everywhere else.
 
 The training loop calls `tracker.log(...)` on every rank and never asks which rank it is on. wandb is
-imported only when it is used. The run id lives in the snapshot folder, so restarts and re-launches that
-resume from it continue the same wandb run.
+imported only when it is used. The run id (`run_id`) lives in the snapshot folder, so restarts and re-launches
+that resume from it continue the same wandb run.
 
 The metrics file (`--metrics-file`, JSON Lines) holds one object per logged step: `{"step": 120, "loss": ...,
 "lr": ..., "val_loss": ...}`. A resumed run first drops the records of steps after the snapshot it resumed
@@ -15,14 +15,62 @@ import json
 import logging
 import math
 import os
+import re
+import secrets
 import time
 from typing import Literal, cast
 
+from . import distributed
 from .distributed import DistEnv
+from .snapshot import RUN_FILE, SnapshotError, write_json_atomic
 
 WandbMode = Literal["online", "offline", "disabled"]  # the choices of --wandb
+RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")  # what wandb accepts as a run id
 
 log = logging.getLogger(__name__)
+
+
+def run_id(env: DistEnv, snapshot_dir: str) -> str:
+    """This run's id, kept in the snapshot folder (run.json) and created on the first start.
+
+    Every restart and re-launch that resumes from the folder continues the same wandb run; `--resume never` sets
+    the folder aside, run.json with it, so a fresh start is a new run. Rank 0 reads or creates the file (with the
+    folder's job lock held: call it after Snapshots.prepare); every rank gets the id, or the same error.
+    """
+    problem, found = None, None
+    if env.is_main:
+        try:
+            found = _read_or_create_run_id(os.path.join(snapshot_dir, RUN_FILE))
+        except SnapshotError as exc:
+            problem = str(exc)
+    problem, found = distributed.broadcast_object(env, (problem, found))
+    if problem or found is None:
+        raise SnapshotError(problem or "no run id")
+    return found
+
+
+def _read_or_create_run_id(path: str) -> str:
+    remedy = "delete it to start a new run id (a new wandb run)"
+    if os.path.isdir(path):
+        raise SnapshotError(f"{path} is a folder, not the run file: {remedy}")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            content = json.load(handle)
+    except FileNotFoundError:
+        created = secrets.token_hex(4)
+        write_json_atomic(path, {"run_id": created})
+        return created
+    except (OSError, ValueError, RecursionError) as exc:
+        raise SnapshotError(f"{path} is damaged ({type(exc).__name__}: {exc}): {remedy}") from exc
+    if not isinstance(content, dict):
+        raise SnapshotError(f"{path} holds a JSON {type(content).__name__}, not an object with a run_id: {remedy}")
+    found = content.get("run_id")
+    if not isinstance(found, str) or not RUN_ID.match(found):
+        shown = repr(found) if len(repr(found)) <= 60 else repr(found)[:57] + "..."
+        raise SnapshotError(
+            f"{path} has run_id {shown}, not a string of 1 to 128 letters, digits, '_', '-' or '.': {remedy}"
+        )
+    return found
 
 
 class Tracker:

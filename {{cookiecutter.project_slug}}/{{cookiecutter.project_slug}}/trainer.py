@@ -309,8 +309,9 @@ class Trainer:
         self.snapshots = Snapshots(
             cfg.snapshot_dir, env, keep=cfg.keep_snapshots, commit_timeout=timeout, sharded=self.sharded
         )
-        try:  # both decided on rank 0 or agreed by every rank: the same error everywhere
-            self.run_id = self.snapshots.prepare(snapshot_bytes(self.model), fresh_start=cfg.resume == "never")
+        try:  # each decided on rank 0 or agreed by every rank: the same error everywhere
+            self.snapshots.prepare(snapshot_bytes(self.model), fresh_start=cfg.resume == "never")
+            self.run_id = self._run_id()
             resumed = self.snapshots.resume()
         except SnapshotError as exc:
             raise RunError(str(exc)) from None
@@ -635,6 +636,13 @@ class Trainer:
             reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
             return f"{type(exc).__name__} loading it" + (f": {reason}" if reason else "")
         return ""
+
+    def _run_id(self) -> str:
+        try:
+            return tracking.run_id(self.env, self.snapshots.directory)
+        except BaseException:
+            self.snapshots.close()  # let go of the folder: the job lock is this run's
+            raise
 
     def _restore(self, resumed: dict) -> dict | None:
         """Load a snapshot into the training objects; return this rank's random streams, or None to re-seed them."""
