@@ -220,6 +220,19 @@ def test_unwritable_snapshot_folder_fails_at_start_up(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_damaged_run_file_is_one_error_and_the_run_gives_the_folder_up(tmp_path):
+    folder = tmp_path / "run-snapshots"
+    folder.mkdir()
+    (folder / "run.json").write_text("{not json")
+    result = run(train_cmd() + QUICK + ["--max-steps", "5"] + outputs(tmp_path), check=False)
+    assert result.returncode == 2, result.stdout[-3000:]
+    errors = [line for line in result.stdout.splitlines() if " ERROR [rank 0] " in line]
+    assert len(errors) == 1 and str(folder / "run.json") in errors[0], result.stdout[-3000:]
+    assert not (folder / "job.lock").exists(), "a failed start-up gives the folder up"
+    assert not metrics(tmp_path), "nothing was trained"
+
+
+@pytest.mark.slow
 def test_progress_bar_on_rank_0_only(tmp_path):
     """On a terminal, tqdm draws one bar (rank 0's), not one per rank."""
     import fcntl

@@ -22,7 +22,7 @@ from typing import Literal, cast
 
 from . import distributed
 from .distributed import DistEnv
-from .snapshot import RUN_FILE, SnapshotError, write_json_atomic
+from .snapshot import RUN_FILE, SnapshotError, short_repr, write_json_atomic
 
 WandbMode = Literal["online", "offline", "disabled"]  # the choices of --wandb
 RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")  # what wandb accepts as a run id
@@ -44,9 +44,9 @@ def run_id(env: DistEnv, snapshot_dir: str) -> str:
         except SnapshotError as exc:
             problem = str(exc)
     problem, found = distributed.broadcast_object(env, (problem, found))
-    if problem or found is None:
-        raise SnapshotError(problem or "no run id")
-    return found
+    if problem:
+        raise SnapshotError(problem)
+    return cast(str, found)
 
 
 def _read_or_create_run_id(path: str) -> str:
@@ -66,9 +66,9 @@ def _read_or_create_run_id(path: str) -> str:
         raise SnapshotError(f"{path} holds a JSON {type(content).__name__}, not an object with a run_id: {remedy}")
     found = content.get("run_id")
     if not isinstance(found, str) or not RUN_ID.match(found):
-        shown = repr(found) if len(repr(found)) <= 60 else repr(found)[:57] + "..."
         raise SnapshotError(
-            f"{path} has run_id {shown}, not a string of 1 to 128 letters, digits, '_', '-' or '.': {remedy}"
+            f"{path} has run_id {short_repr(found)}, not a string of 1 to 128 letters, digits, '_', '-' or '.': "
+            f"{remedy}"
         )
     return found
 
