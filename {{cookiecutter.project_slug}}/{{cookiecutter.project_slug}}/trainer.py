@@ -311,18 +311,21 @@ class Trainer:
         )
         try:  # each decided on rank 0 or agreed by every rank: the same error everywhere
             self.snapshots.prepare(snapshot_bytes(self.model), fresh_start=cfg.resume == "never")
-            self.run_id = self._run_id()
-            resumed = self.snapshots.resume()
-        except SnapshotError as exc:
+        except SnapshotError as exc:  # prepare has let the folder go
             raise RunError(str(exc)) from None
-        stop_record = os.path.join(self.snapshots.directory, STOP_RECORD)
-        if env.is_main and os.path.exists(stop_record):
-            os.remove(stop_record)  # a new launch, not a restart of a stopped job: it is no longer stopped
-        self.progress, rng_state, self.resumed_from = Progress(step_samples=self.global_batch), None, -1
-        try:
+        try:  # the folder's job lock is this run's now: a start-up that fails lets it go
+            try:
+                self.run_id = tracking.run_id(env, self.snapshots.directory)
+                resumed = self.snapshots.resume()
+            except SnapshotError as exc:
+                raise RunError(str(exc)) from None
+            stop_record = os.path.join(self.snapshots.directory, STOP_RECORD)
+            if env.is_main and os.path.exists(stop_record):
+                os.remove(stop_record)  # a new launch, not a restart of a stopped job: it is no longer stopped
+            self.progress, rng_state, self.resumed_from = Progress(step_samples=self.global_batch), None, -1
             rng_state = self._restore(resumed) if resumed is not None else None
         except BaseException:
-            self.snapshots.close()  # let go of the folder: the job lock is this run's
+            self.snapshots.close()
             raise
         self.length = RunLength(cfg, self.progress.step_samples, len(self.train_data))
         self.total_steps = self.length.steps(self.progress, self.global_batch)
@@ -636,13 +639,6 @@ class Trainer:
             reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
             return f"{type(exc).__name__} loading it" + (f": {reason}" if reason else "")
         return ""
-
-    def _run_id(self) -> str:
-        try:
-            return tracking.run_id(self.env, self.snapshots.directory)
-        except BaseException:
-            self.snapshots.close()  # let go of the folder: the job lock is this run's
-            raise
 
     def _restore(self, resumed: dict) -> dict | None:
         """Load a snapshot into the training objects; return this rank's random streams, or None to re-seed them."""
