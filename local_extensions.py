@@ -2,8 +2,13 @@
 
 Free-text answers (project name, description, author) can hold quotes, backslashes and any unicode.
 They are never pasted into generated files as raw text: `py_str` renders a Python string literal and
-`toml_str` a TOML basic string, both valid for every input.
+`toml_str` a TOML basic string, both valid for every input. `py_slug` derives the default package name
+from the project name.
 """
+
+import keyword
+import re
+import unicodedata
 
 from cookiecutter.utils import simple_filter
 
@@ -40,3 +45,30 @@ def toml_str(value):
         else:
             out.append(char)
     return '"' + "".join(out) + '"'
+
+
+@simple_filter
+def py_slug(value):
+    """A lower-case Python identifier derived from a project name: `Zoë's "Net"` gives `zoës_net`.
+
+    Whitespace and `-` become `_`; any other character that cannot be part of an identifier is dropped, while
+    letters and digits Python accepts in identifiers (unicode too) are kept. Runs of `_` collapse to one and
+    leading or trailing ones go. A name that would start with a digit or be a keyword gets `project_` in front;
+    one with nothing usable left is `project`. The text is NFKC-normalised, as Python normalises identifiers,
+    so the folder's name is the name `import` looks for.
+    """
+    text = unicodedata.normalize("NFKC", str(value)).lower()
+    text = unicodedata.normalize("NFKC", text)  # lower() can undo the normal form (e.g. "İ" -> "i" + a dot above)
+    kept = []
+    for char in text:
+        if char.isspace() or char == "-":
+            kept.append("_")
+        elif ("a" + char).isidentifier():  # a character allowed after the first one of an identifier
+            kept.append(char)
+    # Dropping a character can leave combining marks out of canonical order: normalise once more.
+    slug = re.sub(r"_+", "_", unicodedata.normalize("NFKC", "".join(kept))).strip("_")
+    if not slug:
+        return "project"
+    if not slug.isidentifier() or keyword.iskeyword(slug) or keyword.issoftkeyword(slug):
+        slug = "project_" + slug
+    return slug
