@@ -27,7 +27,7 @@ SIZES = {
 WRAPPER = """
 import json, os, sys, time
 import train
-from {package} import snapshot, trainer
+from {package}.machinery import snapshot, trainer
 
 stalls = []
 

@@ -118,8 +118,8 @@ def section_snapshot(project, package, device, work, size, log):
     config = importlib.import_module(f"{package}.config")
     data = importlib.import_module(f"{package}.data")
     model_module = importlib.import_module(f"{package}.model")
-    snapshot = importlib.import_module(f"{package}.snapshot")
-    distributed = importlib.import_module(f"{package}.distributed")
+    snapshot = importlib.import_module(f"{package}.machinery.snapshot")
+    distributed = importlib.import_module(f"{package}.machinery.distributed")
     from torch.utils.data import default_collate
 
     device = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
@@ -169,7 +169,7 @@ def section_snapshot(project, package, device, work, size, log):
         forward_backward()
         fenced = time.perf_counter()
         if save:
-            snapshots.fence()
+            snapshots.wait_until_copied()
         waited = time.perf_counter()
         optimizer_step()
         settle()

@@ -91,7 +91,7 @@ def main():
             (Path(args.project).resolve(), Path(args.project).resolve().name) if args.project else bake(work / "bake")
         )
         sys.path.insert(0, str(project))
-        snapshot = importlib.import_module(f"{package}.snapshot")
+        snapshot = importlib.import_module(f"{package}.machinery.snapshot")
 
         reference = Run(project / "train.py", ARGS, 2, work / "reference", torchrun_args=TORCHRUN)
         if reference.wait(timeout=600) != 0:

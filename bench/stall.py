@@ -40,8 +40,8 @@ def main():
 
     sys.path.insert(0, os.path.abspath(args.project))
     model_module = importlib.import_module(f"{args.package}.model")
-    snapshot = importlib.import_module(f"{args.package}.snapshot")
-    distributed = importlib.import_module(f"{args.package}.distributed")
+    snapshot = importlib.import_module(f"{args.package}.machinery.snapshot")
+    distributed = importlib.import_module(f"{args.package}.machinery.distributed")
     folder = Path(args.dir or Path(args.project) / "stall-bench")
     folder.mkdir(parents=True, exist_ok=True)
 
@@ -116,7 +116,7 @@ def main():
         called = time.perf_counter()
         forward_backward()
         fenced = time.perf_counter()
-        snapshots.fence()
+        snapshots.wait_until_copied()
         waited = time.perf_counter()
         optimizer_step()
         first_step = time.perf_counter() - called

@@ -95,7 +95,7 @@ def main() -> int:
     ).returncode
     equal = _same_weights(project / "export" / "model.pt", project / "export-uninterrupted" / "model.pt")
     plot = subprocess.run(
-        [sys.executable, "-m", "ddp_project.plot", "--out", "logs/loss.png"],
+        [sys.executable, "-m", "ddp_project.machinery.plot", "--out", "logs/loss.png"],
         cwd=project,
         env=env,
         capture_output=True,

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, cast
 from {{ cookiecutter.project_slug }} import config  # no torch in it: --help and a mistyped flag answer at once
 
 if TYPE_CHECKING:
-    from {{ cookiecutter.project_slug }}.trainer import Summary
+    from {{ cookiecutter.project_slug }}.machinery.report import Summary
 
 log = logging.getLogger("{{ cookiecutter.project_slug }}.train")
 
@@ -41,14 +41,14 @@ def main(argv: list[str] | None = None) -> Summary:
 
 def run(cfg: config.Config) -> Summary:
     """Train with settings already parsed: set up this rank, train, tear down."""
-    from {{ cookiecutter.project_slug }} import debug, distributed, joblock, logs, trainer
-    from {{ cookiecutter.project_slug }}.snapshot import SnapshotError
+    from {{ cookiecutter.project_slug }}.machinery import debug, distributed, joblock, logs, stop, trainer
+    from {{ cookiecutter.project_slug }}.machinery.snapshot import SnapshotError
 
     env = distributed.read_env()
     logs.setup(env.rank, cfg.log_file)
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         joblock.exit_with_parent()  # a worker whose torchrun agent died stops too, instead of training on alone
-    stopped = trainer.stopped_by_signal(cfg)
+    stopped = stop.stopped_by_signal(cfg.snapshot_dir)
     if stopped:  # torchrun restarting a job that a signal stopped: stay stopped, with the same exit code
         log.log(
             logging.WARNING if env.is_main else logging.DEBUG,

@@ -197,7 +197,7 @@ def free_port():
 
 
 def final_model(snapshot_dir):
-    from {{ cookiecutter.project_slug }}.snapshot import load_latest
+    from {{ cookiecutter.project_slug }}.machinery.snapshot import load_latest
 
     state = load_latest(str(snapshot_dir))
     assert state is not None, f"no snapshot in {snapshot_dir}"

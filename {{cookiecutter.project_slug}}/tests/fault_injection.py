@@ -8,6 +8,7 @@ The fault is chosen by environment variables:
     FAULT_ONCE=<path>         fire only if <path> does not exist (it is created on firing), so a restart runs clean
     NO_RNG_RESTORE=1          resume without restoring the random streams (to prove the resume test can fail)
     COUNT_ALLREDUCE=1         print "gradient all-reduces: N" on rank 0 at exit
+    SLOW_COPY=<seconds>       every snapshot's copy off the training thread starts this much later
 """
 
 import atexit
@@ -19,7 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train
-from {{ cookiecutter.project_slug }} import snapshot, trainer
+from {{ cookiecutter.project_slug }}.machinery import parallel, snapshot, trainer
+from {{ cookiecutter.project_slug }}.machinery.snapshot import format, writer
 
 FAULT = os.environ.get("FAULT", "")
 RANK = int(os.environ.get("RANK", 0))
@@ -63,14 +65,14 @@ if FAULT == "raise_at_step" and RANK == FAULT_RANK:
 
 if FAULT == "crash_in_save" and RANK == FAULT_RANK:
     target = snapshot.MANIFEST if os.environ.get("FAULT_FILE") == "manifest" else snapshot.rank_file(RANK)
-    original_write = snapshot.write_atomic
+    original_write = format.write_atomic
 
     def crashing_write(path, write):
         if os.path.basename(path) == target and in_target_save(path) and should_fire():
             die_halfway(path)
         return original_write(path, write)
 
-    snapshot.write_atomic = crashing_write
+    format.write_atomic = writer.write_atomic = crashing_write  # receipts and manifest, and the state files
 
 if FAULT == "kill_after_commit" and RANK == 0:
     original_commit = snapshot.Snapshots._commit
@@ -94,14 +96,25 @@ if os.environ.get("COUNT_ALLREDUCE"):
         calls[0] += 1
         return allreduce_hook(None, bucket)
 
-    class CountingDDP(trainer.DistributedDataParallel):
+    class CountingDDP(parallel.DistributedDataParallel):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.register_comm_hook(None, counting_hook)
 
-    trainer.DistributedDataParallel = CountingDDP
+    parallel.DistributedDataParallel = CountingDDP
     if RANK == 0:
         atexit.register(lambda: print(f"gradient all-reduces: {calls[0]}", flush=True))
+
+if os.environ.get("SLOW_COPY"):
+    import time
+
+    original_copy = writer._copy_to_cpu
+
+    def slow_copy(*args, **kwargs):
+        time.sleep(float(os.environ["SLOW_COPY"]))
+        return original_copy(*args, **kwargs)
+
+    writer._copy_to_cpu = slow_copy
 
 if __name__ == "__main__":
     train.main(sys.argv[1:])

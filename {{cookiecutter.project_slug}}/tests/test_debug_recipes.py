@@ -13,7 +13,7 @@ import dap
 import pytest
 from conftest import ROOT, child_env, free_port, outputs, train_cmd
 
-from {{ cookiecutter.project_slug }} import baked
+from {{ cookiecutter.project_slug }}.machinery import baked
 
 DIST_TIMEOUT = 2  # seconds: every wait below outlasts it, so the other ranks must be waiting on purpose
 RUN = ["--wandb", "disabled", "--dist-timeout", str(DIST_TIMEOUT)]

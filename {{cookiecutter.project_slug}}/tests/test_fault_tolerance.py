@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import sys
 import time
@@ -147,6 +148,22 @@ def test_resume_without_the_random_streams_ends_with_other_weights(tmp_path, ref
     assert summary(tmp_path)["resumed_from"] == 40
     weights = final_model(tmp_path / "run-snapshots")["model"]
     assert any(not torch.equal(reference["model"][k], weights[k]) for k in weights)
+
+
+@pytest.mark.slow
+def test_a_snapshot_holds_its_steps_weights_when_its_copy_is_slow(tmp_path):
+    """train() waits for the save in flight to copy the state (wait_until_copied) before the optimizer changes the
+    weights: with every copy off the training thread starting 0.3 s late, the step-20 snapshot still holds step
+    20's weights, as a run with prompt copies does. Move the wait after optimizer_step and this fails."""
+    args = QUICK + ["--max-steps", "30", "--snapshot-every", "20", "--threads-per-rank", "1"]
+    run(train_cmd(script="tests/fault_injection.py") + args + outputs(tmp_path, "slow"), env=child_env(SLOW_COPY=0.3))
+    run(train_cmd() + args + outputs(tmp_path, "prompt"))
+    at_step_20 = []
+    for name in ("slow", "prompt"):
+        shutil.rmtree(tmp_path / f"{name}-snapshots" / "step-00000030")  # the final one: load the one before
+        at_step_20.append(final_model(tmp_path / f"{name}-snapshots"))
+    assert at_step_20[0]["step"] == at_step_20[1]["step"] == 20
+    assert_same_weights(at_step_20[0]["model"], at_step_20[1]["model"])
 
 
 @pytest.mark.slow

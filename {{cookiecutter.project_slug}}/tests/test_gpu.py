@@ -49,7 +49,7 @@ import torch
 
 import fault_injection  # noqa: F401  (the fault the FAULT variables ask for, if any)
 import train
-from {{ cookiecutter.project_slug }} import distributed, trainer
+from {{ cookiecutter.project_slug }}.machinery import distributed, trainer
 
 if os.environ.get("ALL_RANKS_ON_GPU"):
     shared_gpu = torch.device("cuda", int(os.environ["ALL_RANKS_ON_GPU"]))
@@ -182,7 +182,7 @@ from torch.utils.data import default_collate
 
 from {{ cookiecutter.project_slug }} import config, model
 from {{ cookiecutter.project_slug }}.data import build_datasets
-from {{ cookiecutter.project_slug }}.snapshot import load_latest
+from {{ cookiecutter.project_slug }}.machinery.snapshot import load_latest
 
 assert not torch.cuda.is_available()
 cfg = config.parse_args([])
@@ -298,8 +298,8 @@ def test_a_snapshot_of_cuda_tensors_leaves_the_training_thread_free_and_holds_th
     """save() and wait_until_copied() return while the GPU is still busy with earlier work, without one
     host-device synchronization; the snapshot still holds the values that work produced, and not the changes
     enqueued after wait_until_copied() (what the optimizer does next)."""
-    from {{ cookiecutter.project_slug }}.distributed import DistEnv
-    from {{ cookiecutter.project_slug }}.snapshot import Snapshots, capture_rng, load_latest
+    from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
+    from {{ cookiecutter.project_slug }}.machinery.snapshot import Snapshots, capture_rng, load_latest
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)

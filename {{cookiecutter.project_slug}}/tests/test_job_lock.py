@@ -16,16 +16,16 @@ from conftest import ROOT, child_env, outputs, start, train_cmd, wait_for, worke
 
 sys.path.insert(0, str(ROOT))
 
-from {{ cookiecutter.project_slug }} import joblock
-from {{ cookiecutter.project_slug }}.distributed import DistEnv
-from {{ cookiecutter.project_slug }}.snapshot import MANIFEST, SnapshotError, Snapshots, step_name
+from {{ cookiecutter.project_slug }}.machinery import joblock
+from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
+from {{ cookiecutter.project_slug }}.machinery.snapshot import MANIFEST, SnapshotError, Snapshots, step_name
 
 PACKAGE = "{{ cookiecutter.project_slug }}"
 # Takes the lock of the folder argv[1] as rank 0 of a job does; then "hold" keeps it (with its heartbeat) until
 # killed, "vanish" dies at once without releasing it, as a SIGKILLed job would.
 HOLDER = f"""
 import os, sys, time
-from {PACKAGE}.joblock import JobLock
+from {PACKAGE}.machinery.joblock import JobLock
 lock = JobLock(sys.argv[1])
 lock.acquire()
 lock.start_heartbeat()
@@ -239,7 +239,7 @@ time.sleep(600)
 """
 CHILD = f"""
 import os, pathlib, sys, time
-from {PACKAGE} import joblock
+from {PACKAGE}.machinery import joblock
 WATCH
 pathlib.Path(sys.argv[1]).touch()
 time.sleep(600)
@@ -271,7 +271,7 @@ def test_child_dies_when_its_parent_is_killed(tmp_path, watch):
 WORKER = f"""
 import os, pathlib, sys, time
 sys.path.insert(0, {str(ROOT)!r})
-from {PACKAGE}.joblock import exit_with_parent
+from {PACKAGE}.machinery.joblock import exit_with_parent
 exit_with_parent()
 pathlib.Path(sys.argv[1], os.environ["RANK"]).touch()
 time.sleep(600)

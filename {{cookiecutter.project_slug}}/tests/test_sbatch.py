@@ -8,7 +8,7 @@ import time
 import pytest
 from conftest import ROOT, wait_for
 
-from {{ cookiecutter.project_slug }} import baked
+from {{ cookiecutter.project_slug }}.machinery import baked
 
 SCRIPT = ROOT / "scripts" / "train.sbatch"
 

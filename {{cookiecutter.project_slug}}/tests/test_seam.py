@@ -13,10 +13,11 @@ from conftest import ROOT, metrics, outputs, run, summary, train_cmd
 
 sys.path.insert(0, str(ROOT))
 
-from {{ cookiecutter.project_slug }} import config, model, trainer
+from {{ cookiecutter.project_slug }} import config, model
 from {{ cookiecutter.project_slug }}.data import build_datasets
-from {{ cookiecutter.project_slug }}.distributed import DistEnv
-from {{ cookiecutter.project_slug }}.snapshot import Snapshots, capture_rng, load_latest
+from {{ cookiecutter.project_slug }}.machinery.batches import Batches, Progress, RunLength
+from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
+from {{ cookiecutter.project_slug }}.machinery.snapshot import Snapshots, capture_rng, load_latest
 
 FAST = ["--wandb", "disabled", "--log-every", "5"]
 
@@ -45,8 +46,8 @@ def steps_taken(dataset, cfg, world_size, progress, steps):
     """The sample indices each of `steps` optimizer steps takes on all ranks together, from `progress`."""
     taken = [[] for _ in range(steps)]
     for rank in range(world_size):
-        rank_progress = trainer.Progress(**vars(progress))
-        batches = trainer.Batches(dataset, cfg, DistEnv(rank=rank, world_size=world_size), rank_progress)
+        rank_progress = Progress(**vars(progress))
+        batches = Batches(dataset, cfg, DistEnv(rank=rank, world_size=world_size), rank_progress, None)
         for step in range(steps):
             taken[step] += [int(i) for inputs, _ in next(batches) for i in inputs]
     return taken, rank_progress
@@ -58,7 +59,7 @@ def test_k_steps_take_exactly_the_first_k_global_batches_of_the_epoch_order(worl
     dataset, global_batch = Indices(101), world_size * 4 * grad_accum
     order = torch.randperm(101, generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     per_epoch = 101 // global_batch
-    taken, progress = steps_taken(dataset, cfg, world_size, trainer.Progress(), per_epoch + 2)
+    taken, progress = steps_taken(dataset, cfg, world_size, Progress(), per_epoch + 2)
     for step in range(per_epoch):
         assert sorted(taken[step]) == sorted(order[step * global_batch : (step + 1) * global_batch])
     # The epoch's leftover (101 is no multiple of the global batch) is skipped; the next epoch has its own order.
@@ -67,21 +68,21 @@ def test_k_steps_take_exactly_the_first_k_global_batches_of_the_epoch_order(worl
     assert (progress.epoch, progress.samples_in_epoch) == (1, 2 * global_batch)
 
     # Resuming from the position after 3 steps takes what the uninterrupted run took next.
-    position = trainer.Progress(samples_in_epoch=3 * global_batch, samples_seen=3 * global_batch)
+    position = Progress(samples_in_epoch=3 * global_batch, samples_seen=3 * global_batch)
     resumed, _ = steps_taken(dataset, cfg, world_size, position, 2)
     assert resumed == taken[3:5]
 
 
 def test_the_run_length_and_the_schedule_are_kept_in_samples_across_world_sizes():
     cfg = cfg_of("--max-steps", "60", "--warmup-steps", "10", "--lr", "0.01")
-    length = trainer.RunLength(cfg, step_samples=32, train_size=10_000)
+    length = RunLength(cfg, step_samples=32, train_size=10_000)
     assert length.lr(0) == pytest.approx(0.001) and length.lr(9 * 32) == pytest.approx(0.01)
     assert length.lr(10 * 32) == pytest.approx(0.01) and length.lr(60 * 32) == pytest.approx(0.001)
     assert all(length.lr(a) >= length.lr(b) for a, b in zip(range(320, 1920, 32), range(352, 1952, 32), strict=True))
     # 20 steps of 32 samples done; on 2 ranks the 40 steps of 32 left are 20 steps of 64.
-    assert length.steps(trainer.Progress(step=20, samples_seen=640), global_batch=64) == 40
-    assert length.steps(trainer.Progress(step=30, samples_seen=1280), global_batch=32) == 50
-    epochs = trainer.RunLength(cfg_of("--epochs", "2"), step_samples=32, train_size=1000)
+    assert length.steps(Progress(step=20, samples_seen=640), global_batch=64) == 40
+    assert length.steps(Progress(step=30, samples_seen=1280), global_batch=32) == 50
+    epochs = RunLength(cfg_of("--epochs", "2"), step_samples=32, train_size=1000)
     assert epochs.samples == 2 * (1000 // 32) * 32
 
 
@@ -169,8 +170,15 @@ def test_changed_lr_and_weight_decay_apply_on_resume(tmp_path):
     resumed_lr = {r["step"]: r["lr"] for r in metrics(tmp_path, "a")}
     fresh_lr = {r["step"]: r["lr"] for r in metrics(tmp_path, "fresh")}
     assert resumed_lr[25] == fresh_lr[25] and resumed_lr[30] == fresh_lr[30], "the new schedule, rescaled"
-    optimizer = load_latest(str(tmp_path / "a-snapshots"))["optimizer"]
-    assert {group["weight_decay"] for group in optimizer["param_groups"]} == {0.05}
+    # Each group's weight decay is build_optimizer's with the new settings (a no-decay group stays no-decay).
+    resumed, fresh = (
+        [
+            group["weight_decay"]
+            for group in load_latest(str(tmp_path / f"{name}-snapshots"))["optimizer"]["param_groups"]
+        ]
+        for name in ("a", "fresh")
+    )
+    assert resumed == fresh and 0.05 in resumed
 
 
 def write_snapshot_of_another_model(folder):

@@ -14,9 +14,9 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
 
-from {{ cookiecutter.project_slug }} import snapshot, tracking
-from {{ cookiecutter.project_slug }}.distributed import DistEnv
-from {{ cookiecutter.project_slug }}.snapshot import (
+from {{ cookiecutter.project_slug }}.machinery import tracking
+from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
+from {{ cookiecutter.project_slug }}.machinery.snapshot import (
     MANIFEST,
     RUN_FILE,
     SHARED,
@@ -27,6 +27,7 @@ from {{ cookiecutter.project_slug }}.snapshot import (
     rank_file,
     step_name,
     write_atomic,
+    writer,
 )
 
 
@@ -150,13 +151,13 @@ def test_failed_write_leaves_no_file_behind(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_save_copies_state_before_fence_returns(tmp_path):
+def test_save_copies_state_before_wait_until_copied_returns(tmp_path):
     snapshots = Snapshots(tmp_path, DistEnv(), keep=3)
     snapshots.prepare(estimated_bytes=1)
     weights = torch.zeros(1_000_000)
     snapshots.save(5, {"model": {"w": weights}, "step": 5}, {})
-    snapshots.fence()
-    weights.add_(1)  # training changes the weights as soon as fence() returns
+    snapshots.wait_until_copied()
+    weights.add_(1)  # training changes the weights as soon as wait_until_copied() returns
     snapshots.wait()
     assert torch.equal(load_latest(str(tmp_path))["model"]["w"], torch.zeros(1_000_000))
 
@@ -318,7 +319,7 @@ def test_odd_run_file_is_one_clear_error(tmp_path, make):
 
 def test_disk_full_during_a_save_says_so(tmp_path, monkeypatch):
     """torch.save turns the OSError of a full disk into a RuntimeError ("unexpected pos"): the cause is found."""
-    original = snapshot.write_atomic
+    original = writer.write_atomic
 
     class FullDisk:
         def __init__(self, handle):
@@ -337,7 +338,7 @@ def test_disk_full_during_a_save_says_so(tmp_path, monkeypatch):
         return original(path, lambda handle: write(FullDisk(handle)))
 
     save_steps(tmp_path, [10])
-    monkeypatch.setattr(snapshot, "write_atomic", write_to_full_disk)
+    monkeypatch.setattr(writer, "write_atomic", write_to_full_disk)
     snapshots = Snapshots(tmp_path, DistEnv(), keep=3)
     snapshots.prepare(estimated_bytes=1)
     snapshots.save(20, {"model": {"w": torch.zeros(10_000)}, "step": 20}, {}, blocking=False)

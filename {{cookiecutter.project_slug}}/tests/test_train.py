@@ -138,7 +138,7 @@ def test_debug_all_ranks_and_per_rank_log_files(tmp_path):
 
 def test_logging_setup_twice_adds_no_duplicate_handlers(capfd):
     sys.path.insert(0, str(ROOT))
-    from {{ cookiecutter.project_slug }} import logs
+    from {{ cookiecutter.project_slug }}.machinery import logs
 
     logs.setup(0)
     logs.setup(0)

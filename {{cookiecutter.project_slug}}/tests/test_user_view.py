@@ -11,8 +11,8 @@ from conftest import PACKAGE, ROOT, finish, outputs, run, start, train_cmd, wait
 from jsonc import load_jsonc
 from test_debug import configuration, launch_json, resolve
 
-from {{ cookiecutter.project_slug }} import baked, plot
-from {{ cookiecutter.project_slug }}.snapshot import load_latest
+from {{ cookiecutter.project_slug }}.machinery import baked, plot
+from {{ cookiecutter.project_slug }}.machinery.snapshot import load_latest
 
 # A console record as logs.py formats it: date, time, level, [rank N].
 RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR|CRITICAL) \[rank (\d+)\] ", re.M)
@@ -120,7 +120,7 @@ def test_plot_draws_the_curves_of_a_real_run(tmp_path):
     val_steps = [r["step"] for r in lines if "val_loss" in r]
     assert len(train_steps) >= 8 and val_steps, lines
 
-    result = run([sys.executable, "-m", f"{PACKAGE}.plot", "--metrics-file", str(metrics), "--out", str(png)])
+    result = run([sys.executable, "-m", f"{PACKAGE}.machinery.plot", "--metrics-file", str(metrics), "--out", str(png)])
     assert str(png) in result.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     image = imread(png)
@@ -134,7 +134,8 @@ def test_plot_draws_the_curves_of_a_real_run(tmp_path):
 def test_plot_without_matplotlib_says_how_to_get_it(tmp_path):
     metrics = write_lines(tmp_path / "metrics.jsonl", [json.dumps({"step": 1, "loss": 1.0}), ""])
     hide_matplotlib = (
-        f"import sys; sys.modules['matplotlib'] = None; from {PACKAGE} import plot; sys.exit(plot.main(sys.argv[1:]))"
+        "import sys; sys.modules['matplotlib'] = None; "
+        f"from {PACKAGE}.machinery import plot; sys.exit(plot.main(sys.argv[1:]))"
     )
     result = run(
         [sys.executable, "-c", hide_matplotlib, "--metrics-file", str(metrics), "--out", str(tmp_path / "loss.png")],
@@ -149,7 +150,7 @@ def test_plot_without_matplotlib_says_how_to_get_it(tmp_path):
 def test_plot_names_a_missing_metrics_file(tmp_path):
     pytest.importorskip("matplotlib")
     missing = tmp_path / "nowhere" / "metrics.jsonl"
-    result = run([sys.executable, "-m", f"{PACKAGE}.plot", "--metrics-file", str(missing)], check=False)
+    result = run([sys.executable, "-m", f"{PACKAGE}.machinery.plot", "--metrics-file", str(missing)], check=False)
     assert result.returncode == 1
     assert str(missing) in result.stdout and "Traceback" not in result.stdout
 

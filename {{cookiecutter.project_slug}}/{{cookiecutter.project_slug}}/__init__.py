@@ -1,13 +1,10 @@
 """Distributed (DDP) training with torchrun.
 
-Where things live:
-    config.py       every command-line flag, its default and what it means
-    distributed.py  the torchrun environment, process group, device and teardown
-    logs.py         rank-aware logging (one clean console, every rank's warnings)
-    tracking.py     experiment tracking (wandb on rank 0, a no-op elsewhere)
-    snapshot.py     snapshots: atomic, checked, written in the background, pruned
-    debug.py        attach a debugger to chosen ranks (DEBUG_RANK)
-    model.py        the model            <- replace with yours
-    data.py         the dataset          <- replace with yours
-    trainer.py      the training loop
+Yours to edit (the seam: machinery/hooks.py lists every hook these may define):
+    model.py        the model, its loss, optimizer and schedule     <- replace with yours
+    data.py         the datasets and how items become a batch       <- replace with yours
+    config.py       every setting, its default and what it means    <- add yours
+
+The template's machinery, edited only if you mean to:
+    machinery/      training loop, snapshots (machinery/snapshot: load_latest), logging, debugging, tracking
 """

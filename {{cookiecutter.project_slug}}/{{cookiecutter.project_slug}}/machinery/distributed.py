@@ -12,13 +12,13 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from . import debug
-from .config import Config, RunError
+from .settings import RunError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -157,7 +157,7 @@ def _advertised_host(master_addr: str) -> str:
         return socket.getfqdn()
 
 
-def collective_timeout(cfg: Config) -> datetime.timedelta:
+def collective_timeout(cfg: Any) -> datetime.timedelta:
     """How long one rank waits for the others: --dist-timeout, or a day while a debugger may hold a rank."""
     return LONG_TIMEOUT if debug.requested() else datetime.timedelta(seconds=cfg.dist_timeout)
 
@@ -178,7 +178,7 @@ def use_deterministic_algorithms() -> None:
     torch.backends.cudnn.deterministic = True
 
 
-def init(env: DistEnv, cfg: Config) -> DistEnv:
+def init(env: DistEnv, cfg: Any) -> DistEnv:
     """Start the process group (when under torchrun), pick the device, and let a debugger attach."""
     if cfg.deterministic:
         use_deterministic_algorithms()  # first: before any CUDA work

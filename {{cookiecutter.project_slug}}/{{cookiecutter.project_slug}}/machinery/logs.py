@@ -79,7 +79,7 @@ def setup(rank: int, log_file: str = "", level: int = logging.INFO) -> None:
         root.addHandler(handler)
     lowest = min(console_level, file_level)
     root.setLevel(max(lowest, logging.INFO))  # other libraries' DEBUG chatter stays out
-    logging.getLogger(__package__).setLevel(lowest)
+    logging.getLogger(__name__.split(".")[0]).setLevel(lowest)  # the whole project: train.py, yours, machinery
     logging.captureWarnings(True)  # warnings.warn() from any rank shows up tagged, like a log record
     sys.excepthook = _excepthook
 

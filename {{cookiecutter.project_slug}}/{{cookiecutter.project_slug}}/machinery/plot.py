@@ -1,7 +1,7 @@
 """Draw a run's loss curves from its metrics file to a PNG.
 
-    python -m {{ cookiecutter.project_slug }}.plot                                  # logs/metrics.jsonl -> logs/loss.png
-    python -m {{ cookiecutter.project_slug }}.plot --metrics-file runs/a/metrics.jsonl --out a.png
+    python -m {{ cookiecutter.project_slug }}.machinery.plot                                  # logs/metrics.jsonl -> logs/loss.png
+    python -m {{ cookiecutter.project_slug }}.machinery.plot --metrics-file runs/a/metrics.jsonl --out a.png
 
 The metrics file is what train.py writes on rank 0 (`--metrics-file`): one JSON object per logged step, with
 "step" and the metrics of that step ("loss", "lr", "val_loss", "val_<name>", ...). Drawing needs matplotlib

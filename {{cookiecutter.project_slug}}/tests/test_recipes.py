@@ -1,0 +1,50 @@
+"""The README's recipes for your own model and data (a nanoGPT-style LM, a Hugging Face-style causal LM, a stream,
+optimizer groups with a schedule of your own) train as written, on 2 ranks, in a copy of this project.
+
+A recipe is the README's ```python blocks marked `<!-- recipe NAME: FILE -->`; `(with OTHER: FILE, ...)` in the
+mark takes those files of recipe OTHER first and adds this block after them.
+"""
+
+import re
+import shutil
+
+import pytest
+from conftest import PACKAGE, QUICK, ROOT, child_env, outputs, run, summary, train_cmd
+
+MARK = re.compile(r"<!-- recipe ([\w-]+): ([\w.]+)(?: \(with ([\w-]+): ([\w., ]+)\))? -->\n```python\n(.*?)```", re.S)
+
+
+def recipes():
+    """{name: {file: source}} from the README."""
+    found: dict[str, dict[str, str]] = {}
+    for name, file, other, other_files, code in MARK.findall((ROOT / "README.md").read_text(encoding="utf-8")):
+        files = found.setdefault(name, {})
+        if other:
+            for taken in (part.strip() for part in other_files.split(",")):
+                files[taken] = found[other][taken] + files.get(taken, "")
+        files[file] = files.get(file, "") + "\n\n" + code
+    return found
+
+
+RECIPES = recipes()
+
+
+def test_the_readme_has_the_four_recipes():
+    assert set(RECIPES) == {"nanogpt", "hf", "stream", "nanogpt-optim"}
+    assert all(set(files) == {"model.py", "data.py"} for files in RECIPES.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_a_recipe_trains_and_evaluates_on_2_ranks(tmp_path, name):
+    workspace = tmp_path / "project"
+    shutil.copytree(ROOT / PACKAGE, workspace / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "train.py", workspace / "train.py")
+    for file, source in RECIPES[name].items():
+        (workspace / PACKAGE / file).write_text(source, encoding="utf-8")
+    args = QUICK + ["--max-steps", "6", "--batch-size", "4", "--eval-every", "3", "--snapshot-every", "3"]
+    cmd = train_cmd(2, script=str(workspace / "train.py")) + args + outputs(tmp_path)
+    run(cmd, env=child_env(PYTHONPATH=workspace), cwd=workspace)
+    result = summary(tmp_path)
+    assert result["steps"] == 6 and result["val_loss"] is not None and result["val_loss"] > 0
+    assert (tmp_path / "run-export" / "model.pt").is_file()

@@ -1,0 +1,26 @@
+"""The template's machinery: training, snapshots, logging, debugging. Edit it only if you mean to.
+
+Your rooms are one level up: model.py, data.py and config.py (the seam: machinery/hooks.py lists every hook).
+
+    trainer.py      the loop (`train()`) and the `Trainer` that puts the rooms below together
+    hooks.py        the seam: the hooks of model.py and data.py, their defaults, the start-up check
+    batches.py      progress, run length in samples, map-style data one optimizer step at a time
+    stream.py       streaming data (IterableDataset): each rank's share, resumable
+    parallel.py     the model across the ranks: DDP or FSDP2, mixed precision, torch.compile
+    step.py         one optimizer step: forward/backward over micro-batches, the loss reduction, clip, step
+    optim.py        the default optimizer and learning-rate schedule, and how they resume
+    evaluate.py     exact evaluation over every rank
+    state.py        what a snapshot holds: named parts with state_dict()/load_state_dict()
+    snapshot/       snapshots on disk: format, staging copies, the folder, the writer; load_latest
+    report.py       export, summary, the resolved settings, the progress bar
+    stop.py         SIGTERM and Ctrl-C: stop every rank at the same step, with a snapshot
+    settings.py     the settings dataclass <-> command line and TOML
+    distributed.py  the torchrun environment, process group, device and teardown
+    logs.py         rank-aware logging (one clean console, every rank's warnings)
+    tracking.py     experiment tracking (wandb on rank 0, the metrics file), the run id
+    joblock.py      one job per snapshot folder
+    watchdog.py     a hung rank's stacks, before the collective timeout
+    debug.py        attach a debugger to chosen ranks (DEBUG_RANK)
+    plot.py         loss curves from the metrics file (python -m <package>.machinery.plot)
+    baked.py        the answers the project was generated with
+"""

@@ -1,0 +1,161 @@
+"""Where the run is and how long it is: the progress, the run length in samples, and the training data one
+optimizer step at a time, from any point (map-style datasets by index; streams in stream.py).
+
+A batch can be any structure the loader makes (tensors, pairs, dicts, nested lists, tuples and dicts): `to_device`
+moves every tensor inside it and leaves other values alone.
+"""
+
+import math
+from collections.abc import Callable, Iterator, Sized
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch.utils._pytree import tree_map
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from .distributed import DistEnv
+from .settings import RunError, flag
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """The batch with every tensor in it on `device` (non-blocking from pinned memory); other values as they are."""
+    return tree_map(
+        lambda value: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value, batch
+    )
+
+
+@dataclass
+class Progress:
+    """Where the run is. Saved in every snapshot; a resume continues from it."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    samples_in_epoch: int = 0  # samples of the current epoch consumed by all ranks together
+    samples_seen: int = 0
+    step_samples: int = 0  # samples per optimizer step when the run started: the unit of the run's length
+    first_loss: float = math.nan  # loss of the first logged step, kept across restarts for the summary
+    last_loss: float = math.nan
+    val_loss: float = math.nan
+    best_val_loss: float = math.inf
+    best_step: int = -1
+
+
+class RunLength:
+    """How long the run is, in samples, so that it means the same amount of data at any world size.
+
+    `--max-steps N` (or `--epochs E`) counts optimizer steps of the size they had when the run started
+    (`step_samples`): a job resumed on more or fewer ranks trains the samples left, in steps of its own size.
+    The learning-rate schedule is a function of the samples seen, so it is the same curve at any world size.
+    """
+
+    def __init__(self, cfg: Any, step_samples: int, train_size: int | None):
+        if train_size is None and not cfg.max_steps:  # a stream: no epochs to count in
+            raise RunError(
+                f"the training data is a stream (an IterableDataset without len()), which has no epochs: set "
+                f"{flag('max_steps')} for the run's length instead of {flag('epochs')}"
+            )
+        steps_per_epoch = (train_size or 0) // step_samples
+        self.samples = (cfg.max_steps or cfg.epochs * steps_per_epoch) * step_samples
+        self.warmup_samples = cfg.warmup_steps * step_samples
+        self.step_samples = step_samples
+        self.peak_lr = cfg.lr
+
+    def steps(self, progress: Progress, global_batch: int) -> int:
+        """The step at which this attempt ends: the steps done plus the steps left at this attempt's size."""
+        left = max(0, self.samples - progress.samples_seen)
+        return progress.step + -(-left // global_batch)
+
+    def lr(self, samples_seen: int) -> float:
+        """Linear warmup, then cosine decay to 10% of the peak; in samples (= steps at the starting size)."""
+        position = samples_seen / self.step_samples
+        if samples_seen < self.warmup_samples:
+            return self.peak_lr * (position + 1) / (self.warmup_samples / self.step_samples)
+        decay = max(1.0, (self.samples - self.warmup_samples) / self.step_samples)
+        done = min(1.0, (samples_seen - self.warmup_samples) / self.step_samples / decay)
+        return self.peak_lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * done)))
+
+
+class ResumableSampler(DistributedSampler):
+    """A DistributedSampler that can start mid-epoch and yields whole optimizer steps only.
+
+    An epoch's order is one permutation of the dataset (seeded with seed + epoch, as DistributedSampler does),
+    and rank r takes every world_size-th index of it. After k optimizer steps the job has consumed exactly the
+    first k * global_batch indices of that permutation, whatever the number of ranks, so a resumed job skips
+    them at the index level, without loading them, and continues with the rest.
+    """
+
+    def __init__(self, dataset: Dataset, env: DistEnv, seed: int, samples_per_rank_step: int):
+        super().__init__(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed, drop_last=True)
+        self.samples_per_rank_step = samples_per_rank_step
+        self.start = 0
+
+    def set_position(self, epoch: int, start: int) -> None:
+        self.set_epoch(epoch)
+        self.start = start
+
+    def steps(self) -> int:
+        """Whole optimizer steps left in this epoch."""
+        return (_size(self.dataset) - self.start) // (self.num_replicas * self.samples_per_rank_step)
+
+    def __len__(self) -> int:
+        return self.steps() * self.samples_per_rank_step
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(_size(self.dataset), generator=generator)
+        order = order[self.start : self.start + self.steps() * self.num_replicas * self.samples_per_rank_step]
+        return iter(order[self.rank :: self.num_replicas].tolist())
+
+
+class Batches:
+    """The training data one optimizer step at a time: `next(batches)` is the step's list of micro-batches.
+
+    It owns the data position in `progress` (epoch, samples consumed): it skips what a resumed run has already
+    seen, re-seeds the sampler and the loader at each epoch, and rolls over to the next epoch when fewer
+    samples than one step are left.
+    """
+
+    def __init__(self, dataset: Dataset, cfg: Any, env: DistEnv, progress: Progress, collate: Callable | None):
+        self.cfg, self.env, self.progress = cfg, env, progress
+        self.global_batch = env.world_size * cfg.batch_size * cfg.grad_accum
+        self.sampler = ResumableSampler(dataset, env, cfg.seed, cfg.batch_size * cfg.grad_accum)
+        self.generator = torch.Generator()  # explicit, so starting an epoch never draws from the global RNG
+        self.loader = DataLoader(
+            dataset,
+            batch_size=cfg.batch_size,
+            sampler=self.sampler,
+            drop_last=True,
+            num_workers=cfg.num_workers,
+            pin_memory=env.device.type == "cuda",
+            persistent_workers=cfg.num_workers > 0,
+            generator=self.generator,
+            collate_fn=collate,  # None: torch's default_collate
+        )
+        self._iterator: Iterator[Any] = iter(())  # replaced by the first step's epoch start
+        self._steps_left = 0
+
+    def __iter__(self) -> "Batches":
+        return self
+
+    def __next__(self) -> list:
+        while self._steps_left == 0:
+            self._start_epoch()
+        self._steps_left -= 1
+        self.progress.samples_in_epoch += self.global_batch
+        self.progress.samples_seen += self.global_batch
+        return [next(self._iterator) for _ in range(self.cfg.grad_accum)]
+
+    def _start_epoch(self) -> None:
+        progress = self.progress
+        if progress.samples_in_epoch + self.global_batch > _size(self.sampler.dataset):  # no whole step left
+            progress.epoch += 1
+            progress.samples_in_epoch = 0
+        self.sampler.set_position(progress.epoch, progress.samples_in_epoch)
+        self.generator.manual_seed(self.cfg.seed * 1_000_003 + progress.epoch * 7_919 + self.env.rank)
+        self._iterator, self._steps_left = iter(self.loader), self.sampler.steps()
+
+
+def _size(dataset: Dataset) -> int:
+    """The length of a map-style dataset (torch's Dataset type does not declare __len__, though every one has it)."""
+    return len(cast(Sized, dataset))

@@ -1,0 +1,67 @@
+"""Evaluation: val_loss and val_<name> over every validation sample, each counted once across the ranks.
+
+Each rank takes every world_size-th sample (no padding, no sampler), adds up the loss and the other sums of the
+user's step (hooks.UserCode.step), and one all_reduce adds up sums and counts: the result equals one process
+evaluating the whole set. The loss is a sum over a count (samples for a mean-returning step, or what compute_loss
+counts, e.g. tokens), so val_loss is the total sum over the total count. The model runs in eval mode (BatchNorm uses
+its running statistics, dropout is off) with rank 0's buffers on every rank, and the random streams are put back
+afterwards, so evaluating changes nothing a bitwise resume depends on.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, default_collate
+
+from . import distributed
+from .batches import to_device
+from .distributed import DistEnv
+from .hooks import UserCode
+from .parallel import Parallel
+from .snapshot import capture_rng, restore_rng
+
+COUNT = " count"  # the sums' count, kept beside them under a name no val_metrics key can take
+
+
+def evaluate(val_data: Any, parallel: Parallel, user: UserCode, cfg: Any, env: DistEnv, beat) -> tuple[dict, int]:
+    """({val_loss, val_<name>...}, samples evaluated); ({}, 0) without validation data. `beat` marks progress."""
+    size = len(val_data) if val_data is not None else 0
+    if size == 0:
+        return {}, 0
+    rng_state = capture_rng()
+    model = parallel.model
+    distributed.broadcast_buffers(env, model)
+    model.eval()
+    loader = DataLoader(
+        val_data,
+        batch_size=cfg.batch_size,
+        sampler=range(env.rank, size, env.world_size),
+        num_workers=cfg.num_workers,
+        generator=torch.Generator(),
+        collate_fn=user.collate,
+    )
+    sums: dict[str, torch.Tensor] = {}
+    with torch.no_grad(), parallel.autocast():
+        for batch in loader:
+            result = user.step(model, to_device(batch, env.device))
+            for name, value in {COUNT: result.count, "loss": result.loss_sum(), **result.sums}.items():
+                value = torch.as_tensor(value, dtype=torch.float64, device=env.device).detach()
+                sums[name] = sums[name] + value if name in sums else value
+            beat()
+        if parallel.sharded:  # each forward gathers parameters from every rank, so every rank runs as many
+            most = math.ceil(math.ceil(size / env.world_size) / cfg.batch_size)
+            spare = to_device((user.collate or default_collate)([val_data[0]]), env.device)
+            for _ in range(most - len(loader)):
+                user.step(model, spare)  # its result is not counted
+    model.train()
+    restore_rng(rng_state)
+    names = distributed.broadcast_object(env, sorted(sums))  # rank 0 always has samples: it names them
+    local = torch.stack([sums.get(name, torch.zeros((), dtype=torch.float64, device=env.device)) for name in names])
+    totals = dict(zip(names, distributed.all_sum(env, local).tolist(), strict=True))
+    count = totals.pop(COUNT)
+    results = {"val_loss": totals.pop("loss") / count}
+    results.update({f"val_{name}": total / count for name, total in sorted(totals.items())})
+    return results, size

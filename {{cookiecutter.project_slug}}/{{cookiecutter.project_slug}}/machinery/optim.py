@@ -1,0 +1,81 @@
+"""The optimizer and the learning-rate schedule when model.py brings none, and how both resume.
+
+On resume the optimizer's state (moments, step counts) comes from the snapshot, and its hyperparameters from
+build_optimizer with the current settings, group by group (`OptimizerPart`): a new --weight-decay applies, and a
+no-decay group stays no-decay. The learning rate is the scheduler's: the default schedule is a function of the
+samples seen and the current --lr and --warmup-steps, so it needs no state of its own; a user's LRScheduler is saved
+and restored whole (its position and base learning rates).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
+from .batches import Progress, RunLength
+from .settings import RunError
+
+
+def default_optimizer(cfg: Any, model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW with --lr and --weight-decay; no weight decay on parameters of fewer than 2 dimensions (biases, norms)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([group for group in groups if group["params"]], lr=cfg.lr)
+
+
+class SampleSchedule(LRScheduler):
+    """Linear warmup, then cosine decay to 10% of --lr, as a function of the samples seen (see RunLength): the same
+    curve at any world size, and a changed --lr or --warmup-steps applies from the first resumed step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, length: RunLength, progress: Progress):
+        self.length, self.progress = length, progress
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float | torch.Tensor]:
+        # Each group keeps its ratio to the first (the default groups share one lr).
+        lr = self.length.lr(self.progress.samples_seen)
+        return [lr * float(base) / float(self.base_lrs[0]) for base in self.base_lrs]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # a function of the progress, which the snapshot holds
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for group, lr in zip(self.optimizer.param_groups, self.get_lr(), strict=True):
+            group["lr"] = lr
+
+
+class OptimizerPart:
+    """The optimizer as a snapshot part: state from the snapshot, hyperparameters from the current build_optimizer.
+
+    The learning rate is left as the snapshot has it: the scheduler restored after it sets it.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        current = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        saved = state.get("param_groups", [])
+        if len(saved) != len(current):
+            raise RunError(
+                f"the optimizer in the snapshot has {len(saved)} parameter group(s) and build_optimizer now makes "
+                f"{len(current)}: resume with the same groups, or start from scratch with --resume never"
+            )
+        self.optimizer.load_state_dict(state)
+        reapply_hyperparameters(self.optimizer, current)
+
+
+def reapply_hyperparameters(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    """Put each group's hyperparameters from `groups` back, except the learning rate (the scheduler's)."""
+    for group, settings in zip(optimizer.param_groups, groups, strict=True):
+        for key, value in settings.items():
+            if key not in ("lr", "initial_lr"):
+                group[key] = value

@@ -1,0 +1,115 @@
+"""The model across the ranks: DDP (--strategy ddp) or FSDP2 (--strategy fsdp), mixed precision, torch.compile.
+
+Snapshots and exports always use the unwrapped model (`Parallel.model`): its own state_dict, no `module.` prefix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from .distributed import DistEnv
+from .hooks import UserCode
+from .settings import RunError, flag
+from .snapshot import capture_rng, restore_rng
+
+AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def default_shard_units(model: nn.Module) -> list[nn.Module]:
+    """Each direct child that has parameters; a container without forward (ModuleList, ModuleDict) is no unit
+    itself (fully_shard refuses it): its children are, recursively. Typically: each transformer block."""
+    units: list[nn.Module] = []
+    for child in model.children():
+        if not any(True for _ in child.parameters()):
+            continue
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            units += default_shard_units(child)
+        else:
+            units.append(child)
+    return units
+
+
+class Parallel:
+    """The user's model on this rank's device, sharded (fsdp) or wrapped (ddp), with autocast for --amp."""
+
+    def __init__(self, model: nn.Module, cfg: Any, env: DistEnv, user: UserCode):
+        self.model, self.cfg, self.env, self.user = model, cfg, env, user
+        self.sharded = cfg.strategy == "fsdp"
+        self.amp_dtype = AMP_DTYPES[cfg.amp]
+        if self.sharded:
+            self._shard()  # before the optimizer is built: it must hold the sharded parameters
+        self.wrapped: nn.Module = model  # what forward runs through: DDP's wrapper, or the (sharded) model
+        self.train_model: nn.Module = model  # the same, compiled when --compile
+        self._settle_pending = False
+
+    def wrap(self, resumed: bool) -> None:
+        """DDP (under torchrun, with --strategy ddp), then torch.compile if asked."""
+        if self.env.is_distributed and not self.sharded:
+            device_ids = [self.env.device.index] if self.env.device.type == "cuda" else None
+            self.wrapped = DistributedDataParallel(self.model, device_ids=device_ids, gradient_as_bucket_view=True)
+            self._settle_pending = resumed
+        self.train_model = cast(nn.Module, torch.compile(self.wrapped)) if self.cfg.compile else self.wrapped
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.env.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
+
+    def sync_gradients(self, last: bool) -> contextlib.AbstractContextManager:
+        """Gradients are reduced over the ranks on the last micro-batch of a step only."""
+        if self.sharded:  # FSDP reduce-scatters gradients on the last micro-step only
+            cast(FSDPModule, self.model).set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        if last or not self.env.is_distributed:
+            return contextlib.nullcontext()
+        return cast(DistributedDataParallel, self.wrapped).no_sync()
+
+    def settle_bucket_order(self, batch: Any, optimizer: torch.optim.Optimizer) -> None:
+        """Give a resumed job's fresh DDP the gradient buckets an uninterrupted job has by now; once, before the
+        first resumed step (a no-op otherwise).
+
+        DDP rebuilds its buckets in the order gradients arrive during the first backward; until then it uses an
+        initial layout. With 3 or more ranks gloo's ring all-reduce then sums in another order, so the first
+        resumed step would differ in the last bits from the uninterrupted run's. So this runs one extra forward and
+        backward through your model, in eval mode, on the step's first micro-batch (already on the device), with
+        the gradients thrown away and the random streams put back: the order is set, and the weights, the
+        optimizer, the buffers and the data position are unchanged.
+        """
+        if not self._settle_pending:
+            return
+        self._settle_pending = False
+        rng_state = capture_rng()
+        self.wrapped.eval()
+        with self.autocast():
+            result = self.user.step(self.wrapped, batch)
+        result.loss.backward()
+        optimizer.zero_grad(set_to_none=True)
+        self.wrapped.train()
+        restore_rng(rng_state)
+
+    def _shard(self) -> None:
+        """FSDP2: fully_shard each unit (model.py's shard_units(model), else default_shard_units), then the root.
+        Mixed precision (--amp bf16) is FSDP's: bf16 compute, fp32 gradient reduction."""
+        if not self.env.is_distributed:
+            raise RunError(
+                f"{flag('strategy')} fsdp shards the model across the ranks of a torchrun job: start it with torchrun "
+                f"(one rank works: --nproc_per_node=1), or use {flag('strategy')} ddp"
+            )
+        if self.cfg.amp == "fp16":
+            raise RunError(f"{flag('amp')} fp16 is not available with {flag('strategy')} fsdp: use {flag('amp')} bf16")
+        policy = MixedPrecisionPolicy(
+            param_dtype=self.amp_dtype, reduce_dtype=torch.float32 if self.amp_dtype else None
+        )
+        shard_units = self.user.shard_units or default_shard_units
+        for unit in shard_units(self.model):
+            if isinstance(unit, (nn.ModuleList, nn.ModuleDict)):
+                raise RunError(
+                    f"shard_units in model.py names a {type(unit).__name__}, which has no forward and cannot be "
+                    "sharded as one unit: name its children instead"
+                )
+            fully_shard(unit, mp_policy=policy)
+        fully_shard(self.model, mp_policy=policy)

@@ -1,0 +1,106 @@
+"""What a run leaves for people: exported weights, the summary, the resolved settings, the progress bar."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from .distributed import DistEnv
+from .settings import flag, to_toml
+from .snapshot import MANIFEST, write_atomic
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Summary:
+    world_size: int
+    steps: int
+    total_steps: int
+    resumed_from: int  # step the run resumed from; -1 for a fresh start
+    samples_seen: int
+    first_loss: float
+    last_loss: float
+    val_loss: float  # the last evaluation's; NaN without validation data
+    best_val_loss: float
+    best_step: int
+    snapshot_dir: str
+    newest_snapshot: str
+    export_dir: str
+    log_file: str
+    metrics_file: str
+    already_complete: bool = False  # the snapshot was already at the end: nothing was trained
+    stop_signal: int = 0  # the signal that stopped the run early, 0 if it finished
+    snapshot_bytes: int = 0  # the newest snapshot's size on disk, every file of every rank
+
+
+def export(model: nn.Module, sharded: bool, env: DistEnv, export_dir: str, name: str) -> None:
+    """Rank 0 writes the model's weights as a plain state dict to <export-dir>/<name>, atomically (under fsdp every
+    rank takes part in gathering them: the same file, loadable into a plain build_model(...))."""
+    state: dict[str, Any] = {}
+    if sharded:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = cast(dict[str, Any], get_model_state_dict(model, options=options))
+    elif env.is_main:
+        state = model.state_dict()
+    if not env.is_main:
+        return
+    os.makedirs(export_dir, exist_ok=True)
+    weights = {key: value.detach().to("cpu", copy=True) for key, value in state.items()}
+    write_atomic(os.path.join(export_dir, name), lambda handle: torch.save(weights, handle))
+
+
+def write_summary(summary: Summary, export_dir: str) -> None:
+    fields = {
+        k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in dataclasses.asdict(summary).items()
+    }
+    text = json.dumps(fields, indent=1)
+    os.makedirs(export_dir, exist_ok=True)
+    write_atomic(os.path.join(export_dir, "summary.json"), lambda f: f.write(text.encode()))
+
+
+def snapshot_size(step_folder: str) -> int:
+    """The bytes of a committed snapshot's files, as its manifest lists them (0 when there is none)."""
+    try:
+        with open(os.path.join(step_folder, MANIFEST), encoding="utf-8") as handle:
+            return sum(int(entry["size"]) for entry in json.load(handle)["files"].values())
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def write_config(cfg: Any, snapshot_dir: str) -> None:
+    """The resolved settings, logged once and kept beside the snapshots (`--config` reads the file back)."""
+    text = to_toml(cfg)
+    write_atomic(os.path.join(snapshot_dir, "config.toml"), lambda f: f.write(text.encode()))
+    log.info("settings: %s", " ".join(f"{flag(k)}={v!r}" for k, v in dataclasses.asdict(cfg).items()))
+
+
+def progress_bar(env: DistEnv, total: int, initial: int) -> tqdm:
+    """tqdm on rank 0 when the console is a terminal; disabled (drawing nothing) elsewhere."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        initial=initial,
+        unit="step",
+        dynamic_ncols=True,
+        leave=False,
+        disable=not (env.is_main and sys.stderr.isatty()),
+    )
+
+
+def val_text(summary: Summary) -> str:
+    return f", val_loss {summary.val_loss:.4f}" if math.isfinite(summary.val_loss) else ""

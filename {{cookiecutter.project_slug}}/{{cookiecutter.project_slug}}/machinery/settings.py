@@ -1,0 +1,298 @@
+"""The adapter between a settings dataclass (config.py's `Config`, or a user's own) and the command line and TOML.
+
+Each field becomes a flag (`batch_size` -> `--batch-size`); a bool field becomes a pair, `--compile/--no-compile`;
+unknown flags are an error. `--config run.toml` reads settings from a TOML file whose keys are field names; flags on
+the command line override the file. The values a field accepts are declared on the field (`option(32, "...",
+min=1)`) and checked, for flags and file alike, before the run starts.
+
+Plain argparse rather than tyro: argparse is in the standard library, and this file is cheaper to keep than a
+dependency. No torch here: `train.py --help` and a mistyped flag answer before torch loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import math
+import operator
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+NONE_WORDS = ("", "none")  # what an optional field reads as None, on the command line and in a config file
+COMPARISONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The values a field accepts. Bounds: min/max inclusive, above/below exclusive."""
+
+    choices: tuple | None = None
+    min: float | None = None
+    max: float | None = None
+    above: float | None = None
+    below: float | None = None
+    nonempty: bool = False  # refuse ''
+    finite: bool = True  # refuse nan and +-inf in float fields
+    reason: str = ""  # why the bounds are what they are, shown when a value breaks them
+
+    def problem(self, value: Any) -> str | None:
+        """What is wrong with `value` ("must be > 0, got -1.0"), or None when it is allowed."""
+        if value is None:
+            return None
+        if self.choices is not None and value not in self.choices:
+            return f"must be one of {', '.join(map(str, self.choices))}, got {value!r}"
+        if self.nonempty and value == "":
+            return "must not be empty"
+        if isinstance(value, float) and self.finite and not math.isfinite(value):
+            return f"must be a finite number, got {value}"
+        bounds = [
+            (sign, bound)
+            for sign, bound in ((">=", self.min), (">", self.above), ("<=", self.max), ("<", self.below))
+            if bound is not None
+        ]
+        if all(COMPARISONS[sign](value, bound) for sign, bound in bounds):  # nan fails every comparison
+            return None
+        allowed = " and ".join(f"{sign} {bound}" for sign, bound in bounds)
+        why = f" ({self.reason})" if self.reason else ""
+        return f"must be {allowed}{why}, got {value}"
+
+
+class RunError(Exception):
+    """A problem the user fixes (settings, data, machine, an unfitting snapshot): reported as one line, no traceback."""
+
+
+def option(
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence | None = None,
+    min: float | None = None,
+    max: float | None = None,
+    above: float | None = None,
+    below: float | None = None,
+    nonempty: bool = False,
+    finite: bool = True,
+    reason: str = "",
+) -> Any:
+    """A config field: its default, its help text (shown by --help; write % as %%) and the values it accepts."""
+    rules = Rules(tuple(choices) if choices is not None else None, min, max, above, below, nonempty, finite, reason)
+    return field(default=default, metadata={"help": help, "rules": rules})
+
+
+SCALARS = (bool, int, float, str)
+SettingsT = TypeVar("SettingsT")  # Config, or a settings dataclass of the user's own
+TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One field of a config dataclass, as the command line and config files see it."""
+
+    name: str
+    type: type  # one of SCALARS
+    optional: bool  # also accepts None
+    default: Any
+    help: str
+    rules: Rules
+
+
+def settings(config_cls: type) -> list[Setting]:
+    """The fields of `config_cls` with their resolved types; a TypeError for a field the adapter cannot express."""
+    hints = typing.get_type_hints(config_cls)  # resolves string annotations (from __future__ import annotations)
+    found = []
+    for spec in dataclasses.fields(config_cls):
+        hint, optional = hints[spec.name], False
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            rest = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+            optional = len(rest) < len(typing.get_args(hint))
+            hint = rest[0] if optional and len(rest) == 1 else hint
+        if hint not in SCALARS:
+            raise TypeError(
+                f"{config_cls.__name__}.{spec.name}: type {hints[spec.name]} is not supported "
+                f"(use int, float, str, bool, or one of them | None)"
+            )
+        if spec.default is dataclasses.MISSING:
+            raise TypeError(f"{config_cls.__name__}.{spec.name} needs a default")
+        found.append(
+            Setting(
+                spec.name,
+                hint,
+                optional,
+                spec.default,
+                spec.metadata.get("help", ""),
+                spec.metadata.get("rules", Rules()),
+            )
+        )
+    return found
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a field: batch_size -> --batch-size."""
+    return "--" + name.replace("_", "-")
+
+
+def _or_none(convert):
+    """An argparse type for an optional field: NONE_WORDS (any case) mean None, anything else goes to convert."""
+
+    def parse(text: str):
+        return None if text.strip().lower() in NONE_WORDS else convert(text)
+
+    parse.__name__ = convert.__name__  # argparse names it in "invalid int value: 'x'"
+    return parse
+
+
+def build_parser(config_cls: type) -> argparse.ArgumentParser:
+    """The command line of `config_cls`: one flag per field, --x/--no-x for bools, and --config FILE."""
+    parser = argparse.ArgumentParser(
+        prog="train.py",
+        description="Train with DistributedDataParallel. Runs as `python train.py` or under torchrun.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,  # a prefix must not quietly pick a flag (or hide --config from the first pass)
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="read settings from this TOML file (keys are setting names, "
+        "e.g. batch_size = 64); flags on the command line override it",
+    )
+    for setting in settings(config_cls):
+        if setting.type is bool:
+            parser.add_argument(
+                flag(setting.name),
+                dest=setting.name,
+                action=argparse.BooleanOptionalAction,
+                default=setting.default,
+                help=setting.help,
+            )
+            continue
+        choices = setting.rules.choices
+        if choices is not None and setting.optional:
+            choices = (*choices, None)
+        parser.add_argument(
+            flag(setting.name),
+            dest=setting.name,
+            default=setting.default,
+            help=setting.help,
+            type=_or_none(setting.type) if setting.optional else setting.type,
+            choices=choices,
+        )
+    return parser
+
+
+def _toml_kind(value: Any) -> str:
+    kinds = {bool: "a boolean", int: "an integer", float: "a float", str: "a string", dict: "a table", list: "an array"}
+    return kinds.get(type(value), "a date or time")
+
+
+def _from_toml(setting: Setting, value: Any) -> Any:
+    """The value of `setting` a TOML value stands for; ValueError when its TOML type does not fit."""
+    if setting.optional and isinstance(value, str) and value.strip().lower() in NONE_WORDS:
+        return None
+    if setting.type is float and type(value) is int:
+        return float(value)  # `lr = 1` means 1.0
+    if type(value) is setting.type:  # exact: TOML true is not an integer
+        return value
+    raise ValueError(
+        f"must be {TYPE_WORDS[setting.type]}{' or none' if setting.optional else ''}, "
+        f"got {_toml_kind(value)} ({value!r})"
+    )
+
+
+def read_config_file(path: str, config_cls: type) -> dict[str, Any]:
+    """The settings a TOML file sets, by field name; ValueError with one line naming the file on any problem."""
+    try:
+        with open(path, "rb") as handle:
+            table = tomllib.load(handle)
+    except OSError as exc:
+        raise ValueError(f"--config {path}: cannot read it: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"--config {path}: not valid TOML: {exc}") from exc
+    by_name = {setting.name: setting for setting in settings(config_cls)}
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name not in by_name:
+            close = difflib.get_close_matches(name, by_name, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"--config {path}: unknown setting {key!r}{hint}")
+        if name in values:
+            raise ValueError(f"--config {path}: {name!r} is set twice")
+        try:
+            values[name] = _from_toml(by_name[name], value)
+        except ValueError as exc:
+            raise ValueError(f"--config {path}: {key!r} {exc}") from None
+    return values
+
+
+def _config_path(argv: Sequence[str] | None) -> str | None:
+    """--config, read before the real parse so that the file's values can become the parser's defaults."""
+    first_pass = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    first_pass.add_argument("--config")
+    known, _ = first_pass.parse_known_args(argv)
+    return known.config
+
+
+def parse_args(argv: Sequence[str] | None, config_cls: type[SettingsT]) -> SettingsT:
+    """Settings from --config FILE, then the command line on top; exit 2 with one line on the first bad value."""
+    parser = build_parser(config_cls)
+    path = _config_path(argv)
+    from_file: dict[str, Any] = {}
+    if path is not None:
+        try:
+            from_file = read_config_file(path, config_cls)
+        except ValueError as exc:
+            parser.error(str(exc))
+        parser.set_defaults(**from_file)
+    values = vars(parser.parse_args(argv))
+    del values["config"]
+    cfg = config_cls(**values)
+    for setting in settings(config_cls):
+        value = getattr(cfg, setting.name)
+        if setting.rules.choices and value == setting.default:
+            continue  # a default outside the choices means "decide at run time" (--wandb '')
+        problem = setting.rules.problem(value)
+        if problem:
+            in_file = setting.name in from_file and (
+                from_file[setting.name] is value or from_file[setting.name] == value
+            )
+            parser.error(f"{flag(setting.name)} {problem}" + (f" (set by {setting.name} in {path})" if in_file else ""))
+    return cfg
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)  # repr of a float reads back bit for bit; inf and nan are TOML too
+    escaped = []
+    for char in value:
+        if char in '"\\':
+            escaped.append("\\" + char)
+        elif ord(char) < 0x20 or ord(char) == 0x7F:
+            escaped.append(f"\\u{ord(char):04X}")
+        else:
+            escaped.append(char)
+    return '"' + "".join(escaped) + '"'
+
+
+def to_toml(cfg: Any) -> str:
+    """The settings of `cfg` as a TOML file that --config reads back to an equal config.
+
+    None is left out where it is the default, and written as "none" where it is not.
+    """
+    lines = []
+    for setting in settings(type(cfg)):
+        value = getattr(cfg, setting.name)
+        if value is None and setting.default is None:
+            continue
+        lines.append(f"{setting.name} = {_toml_value('none' if value is None else value)}")
+    return "\n".join(lines) + "\n"

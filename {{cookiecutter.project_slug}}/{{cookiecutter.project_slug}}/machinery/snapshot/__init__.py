@@ -1,0 +1,69 @@
+"""Snapshots: everything needed to continue a run, written in the background, checked, committed once complete.
+
+Layout of the snapshot folder (one job per folder; on several machines it must be a shared folder):
+
+    job.lock                   held by rank 0 of the job training into the folder (see joblock.py)
+    run.json                   the run id (wandb; see tracking.run_id), kept by every restart and re-launch
+    step-00000100/             one snapshot, taken after 100 optimizer steps
+        shared.pt              the run's shared parts: model, optimizer, scheduler, scaler, progress and data
+                               position, any part the trainer registers, and the config (rank 0 writes it)
+        rank-00000.pt          one rank's own parts: its random streams, its place in a stream (each rank
+                               writes its own)
+        rank-00000.json        that rank's receipt: size and sha256 of what it wrote
+        sharded/               --strategy fsdp only: model and optimizer, each rank's shards written by
+                               torch.distributed.checkpoint (__<rank>_0.distcp; rank 0 adds .metadata)
+        manifest.json          the commit marker, written last by rank 0 once every receipt is in
+
+Every file is written to a temporary name in the same folder, fsynced and renamed into place. A step
+folder without manifest.json is an interrupted save: it is never loaded, and it is removed at the next
+start. The manifest carries a sha256 of its own contents and is checked field by field; loading then checks
+each file's size and sha256 against it. A truncated, emptied or bit-flipped file, or a manifest that is
+malformed or was edited, makes the snapshot skipped with a warning, and the next older one is used. All ranks
+agree on the step they resume from. Only folders named exactly as step_name() names them are snapshots;
+anything else in the folder is left alone.
+
+A fresh start (`prepare(..., fresh_start=True)`, `--resume never`) moves what the folder holds aside into the
+sibling folder `<folder>.set-aside-<date>-<time>`, unless the snapshots there were written by this same torchrun
+job: then this is a restart of that job, and it resumes.
+
+Where the code is: format.py (names, checksummed atomic writes, the manifest, checked reads, `load_latest`),
+rng.py (random streams), staging.py (copies off the training thread), folder.py (the folder's life: prepare,
+resume, set aside, prune), writer.py (`Snapshots`: save in the background and commit).
+"""
+
+from .format import (
+    MANIFEST,
+    RUN_FILE,
+    SHARED,
+    SnapshotError,
+    list_steps,
+    load_latest,
+    manifest_digest,
+    rank_file,
+    read_manifest,
+    short_repr,
+    step_name,
+    write_atomic,
+    write_json_atomic,
+)
+from .rng import capture_rng, restore_rng
+from .writer import Snapshots
+
+__all__ = [
+    "MANIFEST",
+    "RUN_FILE",
+    "SHARED",
+    "SnapshotError",
+    "Snapshots",
+    "capture_rng",
+    "list_steps",
+    "load_latest",
+    "manifest_digest",
+    "rank_file",
+    "read_manifest",
+    "restore_rng",
+    "short_repr",
+    "step_name",
+    "write_atomic",
+    "write_json_atomic",
+]

@@ -1,0 +1,277 @@
+"""The snapshot folder of a job: take it (job lock, fresh start, checks every rank agrees on), find the snapshot to
+resume from, set damaged ones aside, prune old ones. `Snapshots` (writer.py) adds saving on top."""
+
+import logging
+import os
+import secrets
+import shutil
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from .. import distributed, joblock
+from .format import (
+    MANIFEST,
+    RUN_FILE,
+    SnapshotError,
+    _load_step,
+    list_steps,
+    read_manifest,
+    step_name,
+    write_json_atomic,
+)
+
+log = logging.getLogger(__name__)
+# How long a rank waits to see a file another machine just wrote to a shared folder: network filesystems cache
+# directory listings and failed lookups for a while (NFS: up to 30 s by default). Set SHARED_FOLDER_WAIT_S in the
+# environment for a filesystem that lags longer, or to fail faster where there is none.
+SHARED_FOLDER_WAIT_S = float(os.environ.get("SHARED_FOLDER_WAIT_S", "30"))
+
+
+def _eventually(check, timeout=SHARED_FOLDER_WAIT_S, interval=0.2):
+    """Poll check() every `interval` seconds until it is true (return True) or the timeout passes (False)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
+class SnapshotFolder:
+    """The folder side of one job's snapshots. Every rank holds one; collectives are called on every rank.
+
+    Rank 0 holds the folder's job lock from prepare() to close(): call close() when training ends, also after a
+    failure (in a `finally`).
+    """
+
+    def __init__(self, directory: str, env: distributed.DistEnv, keep: int):
+        self.directory = os.path.abspath(directory)
+        self.env = env
+        self.keep = keep
+        self.job = joblock.current_job()  # recorded in every manifest: a restart of this job resumes them
+        self._lock: joblock.JobLock | None = None  # rank 0's, from prepare() to close()
+        self._closed = False
+
+    # -- start-up ------------------------------------------------------------------------------------------------
+
+    def prepare(self, estimated_bytes: int, fresh_start: bool = False) -> None:
+        """Take the folder for this job and check it early.
+
+        Rank 0 takes the job lock (another live job's folder is refused), moves old contents aside when
+        `fresh_start` asks for it (see the module docstring), checks the folder is writable, has room and is
+        seen by every rank, and clears what interrupted saves and start-ups left. (The run id kept in the folder
+        is tracking's: tracking.run_id.)
+        Errors are decided on rank 0 and raised on every rank, so no rank is left waiting at a collective.
+        """
+        try:
+            self._prepare(estimated_bytes, fresh_start)
+        except BaseException:
+            self.close()
+            raise
+
+    def _prepare(self, estimated_bytes, fresh_start):
+        env = self.env
+        problem, token = None, None
+        if env.is_main:
+            problem, token = self._check_folder(estimated_bytes, fresh_start)
+        problem, token, main_directory = distributed.broadcast_object(env, (problem, token, self.directory))
+        if problem:
+            raise SnapshotError(problem)
+        probe = os.path.join(self.directory, f".probe-{token}")
+        visible = _eventually(lambda: os.path.exists(probe))
+        views = [(env.rank, visible, self.directory)]
+        if env.is_distributed:  # every rank learns who does not see the folder, so each says the same
+            views = [None] * env.world_size
+            dist.all_gather_object(views, (env.rank, visible, self.directory))  # CPU (gloo) also under nccl
+        blind = [f"rank {rank} does not, looking in {directory}" for rank, seen, directory in views if not seen]
+        distributed.barrier(env)
+        if env.is_main:
+            os.remove(probe)
+        if blind:
+            more = f"; and {len(blind) - 3} more ranks" if len(blind) > 3 else ""
+            raise SnapshotError(
+                f"not every rank sees the snapshot folder {main_directory} that rank 0 writes to "
+                f"({'; '.join(blind[:3])}{more}): on several machines, --snapshot-dir must be a folder they all share"
+            )
+
+    def _check_folder(self, estimated_bytes, fresh_start):
+        """Rank 0's part of prepare(): (a problem in one line or None, the token of the probe file)."""
+        token = secrets.token_hex(6)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            self._lock = joblock.JobLock(self.directory)
+            self._lock.acquire()
+            if fresh_start:
+                problem = self._start_fresh()
+                if problem:
+                    return problem, token
+            self._remove_leftovers()
+            write_json_atomic(os.path.join(self.directory, f".probe-{token}"), {"token": token})
+            free = shutil.disk_usage(self.directory).free
+            if free < estimated_bytes:
+                return (
+                    f"not enough room for a snapshot in {self.directory}: {free / 2**20:.0f} MiB free, one "
+                    f"snapshot needs about {estimated_bytes / 2**20:.0f} MiB"
+                ), token
+            if free < estimated_bytes * (self.keep + 1):
+                log.warning(
+                    "%s has room for fewer than %d snapshots (%.0f MiB free, about %.0f MiB each)",
+                    self.directory,
+                    self.keep + 1,
+                    free / 2**20,
+                    estimated_bytes / 2**20,
+                )
+            self._remove_interrupted_saves()
+        except joblock.JobLockError as exc:
+            return str(exc), token
+        except OSError as exc:
+            return f"cannot write snapshots to {self.directory}: {exc.strerror or exc}", token
+        self._lock.start_heartbeat()
+        return None, token
+
+    def _start_fresh(self):
+        """Move the folder's snapshots aside for a fresh start, unless this job wrote them; a problem or None."""
+        committed = list_steps(self.directory)[0]
+        if not committed:
+            return None
+        if self.job and self._newest_job(committed) == self.job:
+            log.info(
+                "%s holds snapshots of this same torchrun job (%s): this is a restart, resuming from them",
+                self.directory,
+                self.job,
+            )
+            return None
+        aside = f"{self.directory}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
+        candidate, suffix = aside, 1
+        while os.path.lexists(candidate):
+            suffix += 1
+            candidate = f"{aside}-{suffix}"
+        try:
+            os.rename(self.directory, candidate)
+        except OSError as exc:
+            return (
+                f"cannot start afresh: moving {self.directory} aside to {candidate} failed "
+                f"({exc.strerror or exc}); move or delete what it holds yourself, or resume from it with "
+                "--resume auto"
+            )
+        os.makedirs(self.directory, exist_ok=True)
+        self._lock.acquire()  # in the new, empty folder; the old lock file moved aside with the rest
+        try:
+            os.remove(os.path.join(candidate, joblock.LOCK_FILE))
+        except FileNotFoundError:
+            pass  # nothing to tidy
+        log.warning(
+            "starting afresh: moved what %s held (snapshots up to step %d) aside to %s",
+            self.directory,
+            committed[0],
+            candidate,
+        )
+        return None
+
+    def _newest_job(self, committed):
+        """The job that wrote the newest snapshot whose manifest checks out, or None."""
+        for step in committed:
+            try:
+                return read_manifest(os.path.join(self.directory, step_name(step)))["job"]
+            except SnapshotError:
+                continue
+        return None
+
+    def _remove_leftovers(self):
+        """Probe files and run-id temp files of start-ups that died half-way (no other job is here: we hold
+        the lock)."""
+        for name in os.listdir(self.directory):
+            if name.startswith(".probe-") or name.startswith(f"{RUN_FILE}.tmp-"):
+                path = os.path.join(self.directory, name)
+                if os.path.isfile(path):
+                    log.debug("removing %s, left by an earlier start-up", path)
+                    os.remove(path)
+
+    def _remove_interrupted_saves(self):
+        committed, incomplete = list_steps(self.directory)
+        for step in incomplete:
+            log.info("removing %s: an interrupted save", os.path.join(self.directory, step_name(step)))
+            shutil.rmtree(os.path.join(self.directory, step_name(step)), ignore_errors=True)
+        for step in committed:
+            folder = os.path.join(self.directory, step_name(step))
+            for name in os.listdir(folder):
+                if ".tmp-" in name:
+                    os.remove(os.path.join(folder, name))
+
+    def resume(self) -> dict | None:
+        """The newest snapshot good for every rank, loaded on every rank; None when the folder holds none.
+
+        Each rank checks the files it needs (shared.pt and its own rank file). A snapshot counts only if every
+        rank found its files good; otherwise all ranks move to the next older one together.
+        """
+        env = self.env
+        committed = list_steps(self.directory)[0]
+
+        def newest():
+            return committed[0] if committed else -1
+
+        def caught_up():
+            committed[:] = list_steps(self.directory)[0]
+            return newest() == high
+
+        low, high = distributed.all_min_max(env, newest())
+        if low != high:  # a lagging view of a shared folder may need a moment to show the newest snapshot
+            _eventually(caught_up)
+            low, high = distributed.all_min_max(env, newest())
+        if low != high:
+            raise SnapshotError(
+                f"ranks disagree on the newest snapshot in {self.directory} (step {low} on some ranks, {high} on "
+                "others): on several machines, --snapshot-dir must be one folder they all share"
+            )
+        skipped: list[int] = []
+        for step in committed:
+            step_path = os.path.join(self.directory, step_name(step))
+            state: dict[str, Any] = {}
+            reason: str | None = None
+            try:
+                manifest = read_manifest(step_path)
+                same_world = manifest["world_size"] == env.world_size
+                # Each rank checks its share of a sharded snapshot's files; together they check all of them.
+                state = _load_step(step_path, [env.rank] if same_world else [], (env.rank, env.world_size))
+            except SnapshotError as exc:
+                reason = str(exc)
+            if distributed.all_true(env, reason is None):
+                self._set_aside(skipped)
+                state["rank_state"] = state["rank_states"].get(env.rank)
+                return state
+            if reason:
+                log.warning("skipping snapshot %s: %s", step_path, reason)
+            skipped.append(step)
+        if committed:
+            raise SnapshotError(
+                f"no usable snapshot in {self.directory}: every one is damaged (see the warnings above). "
+                "Move the folder away to start from scratch, or point --snapshot-dir elsewhere."
+            )
+        return None
+
+    def _set_aside(self, steps):
+        """Rename damaged snapshots, kept for a post-mortem, out of the way of the saves to come."""
+        if self.env.is_main:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for step in steps:
+                path = os.path.join(self.directory, step_name(step))
+                os.replace(path, f"{path}.damaged-{stamp}")
+                log.warning("moved the damaged snapshot %s aside to %s.damaged-%s", path, path, stamp)
+        distributed.barrier(self.env)
+
+    def close(self) -> None:
+        """Give the folder up: rank 0 releases the job lock. Call wait() first to finish a save in flight: close()
+        does not wait for it (after a failure it might never finish), and it is not committed after close()."""
+        self._closed = True
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _prune(self):
+        committed, _ = list_steps(self.directory)
+        for step in committed[self.keep :]:
+            folder = os.path.join(self.directory, step_name(step))
+            os.remove(os.path.join(folder, MANIFEST))  # uncommit first: a half-removed folder is never loaded
+            shutil.rmtree(folder, ignore_errors=True)

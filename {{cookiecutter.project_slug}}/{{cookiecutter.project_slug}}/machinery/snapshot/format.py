@@ -1,0 +1,340 @@
+"""The snapshot format: file names, atomic checksummed writes, the manifest (the commit marker), checked reads.
+
+Nothing here holds state: `Snapshots` (writer.py) writes with these functions, and `load_latest` reads with them.
+"""
+
+import hashlib
+import json
+import logging
+import os
+import re
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+log = logging.getLogger(__name__)
+
+FORMAT = 2  # 2: the manifest checksums itself and names the job that wrote it
+MANIFEST = "manifest.json"
+SHARED = "shared.pt"
+SHARDED_DIR = "sharded"
+SHARDED_FILE = re.compile(r"^sharded/(__(\d+)_\d+\.distcp|\.metadata)$")  # what DCP's FileSystemWriter writes
+RUN_FILE = "run.json"
+STEP_DIR = re.compile(r"^step-(\d{8,})$")
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+MAX_WORLD_SIZE = 1_000_000
+MANIFEST_KEYS = ("format", "step", "world_size", "files", "job", "manifest_sha256")
+# How long a rank waits to see a file another machine just wrote to a shared folder: network filesystems cache
+# directory listings and failed lookups for a while (NFS: up to 30 s by default). Set SHARED_FOLDER_WAIT_S in the
+# environment for a filesystem that lags longer, or to fail faster where there is none.
+SHARED_FOLDER_WAIT_S = float(os.environ.get("SHARED_FOLDER_WAIT_S", "30"))
+
+
+class SnapshotError(RuntimeError):
+    """A snapshot folder that cannot be written, or holds no usable snapshot."""
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def receipt_file(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+def _step_of_folder(name):
+    """The step a folder name stands for, or None unless it is exactly step_name(step)."""
+    match = STEP_DIR.match(name)
+    if not match or step_name(int(match.group(1))) != name:
+        return None
+    return int(match.group(1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Files: atomic writes with a checksum, and checked reads.
+
+
+class _HashingWriter:
+    """A file wrapper that hashes what passes through it, so a file is checksummed as it is written."""
+
+    def __init__(self, raw):
+        self.raw = raw
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data):
+        self.sha256.update(data)
+        self.size += len(data)
+        return self.raw.write(data)
+
+    def flush(self):
+        self.raw.flush()
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str, write) -> dict:
+    """Write a file through `write(file)` so that `path` is either absent or complete; return its receipt."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as raw:
+            writer = _HashingWriter(raw)
+            write(writer)
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    _fsync_dir(os.path.dirname(path))
+    return {"size": writer.size, "sha256": writer.sha256.hexdigest()}
+
+
+def write_json_atomic(path: str, obj) -> dict:
+    return write_atomic(path, lambda f: f.write(json.dumps(obj, indent=1, sort_keys=True).encode()))
+
+
+def _sha256_file(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def short_repr(value: object) -> str:
+    """repr of a value read from a file, cut to 60 characters for a one-line message."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_count(value, low=0, high=None):
+    """A JSON integer (not a bool, not a float) within [low, high]."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the canonical JSON of every field of a manifest except the digest itself."""
+    body = {key: value for key, value in manifest.items() if key != "manifest_sha256"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _manifest_problem(manifest, step):
+    """Why a manifest cannot be trusted (a short phrase), or None when its whole shape and checksum are right."""
+    if not isinstance(manifest, dict):
+        return f"not a JSON object but {type(manifest).__name__}"
+    missing = [key for key in MANIFEST_KEYS if key not in manifest]
+    if missing:
+        return f"no {', '.join(missing)} field"
+    if manifest["format"] != FORMAT or isinstance(manifest["format"], bool):
+        return f"format {short_repr(manifest['format'])}, this version reads format {FORMAT}"
+    if not _is_count(manifest["step"]):
+        return f"step {short_repr(manifest['step'])} is not a whole number >= 0"
+    if step is not None and manifest["step"] != step:
+        return f"step {manifest['step']} does not match its folder {step_name(step)}"
+    world_size = manifest["world_size"]
+    if not _is_count(world_size, 1, MAX_WORLD_SIZE):
+        return f"world_size {short_repr(world_size)} is not a whole number from 1 to {MAX_WORLD_SIZE}"
+    if not isinstance(manifest["job"], str):
+        return f"job {short_repr(manifest['job'])} is not a string"
+    files = manifest["files"]
+    if not isinstance(files, dict):
+        return f"files is {short_repr(files)}, not a mapping of file names"
+    expected = {SHARED, *(rank_file(rank) for rank in range(world_size))}
+    absent = sorted(expected - files.keys())
+    if absent:
+        return f"files has no entry for {absent[0]}" + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else "")
+    extra = sorted(name for name in files.keys() - expected if not SHARDED_FILE.match(name))
+    if extra:
+        return f"files lists {short_repr(extra[0])}, which a snapshot of {world_size} rank(s) does not have"
+    for name in sorted(files):
+        entry = files[name]
+        if not isinstance(entry, dict):
+            return f"files[{name!r}] is {short_repr(entry)}, not an object with a size and a sha256"
+        for key in ("size", "sha256"):
+            if key not in entry:
+                return f"files[{name!r}] has no {key!r}"
+        if not _is_count(entry["size"]):
+            return f"files[{name!r}] size {short_repr(entry['size'])} is not a whole number >= 0"
+        if not isinstance(entry["sha256"], str) or not SHA256.match(entry["sha256"]):
+            return f"files[{name!r}] sha256 {short_repr(entry['sha256'])} is not 64 hex digits"
+    if _sharded_files(manifest) and f"{SHARDED_DIR}/.metadata" not in files:
+        return f"files lists shards but no {SHARDED_DIR}/.metadata"
+    digest = manifest["manifest_sha256"]
+    if not isinstance(digest, str) or not SHA256.match(digest):
+        return f"manifest_sha256 {short_repr(digest)} is not 64 hex digits"
+    try:
+        actual = manifest_digest(manifest)
+    except (ValueError, TypeError):  # NaN or infinity in a field the shape checks leave open
+        return "a field holds a number JSON cannot represent exactly"
+    if actual != digest:
+        return "manifest_sha256 does not match its contents: the manifest was edited or damaged after it was written"
+    return None
+
+
+def read_manifest(step_path: str) -> dict:
+    """The manifest of a step folder, checked whole; SnapshotError says what is wrong with it."""
+    path = os.path.join(step_path, MANIFEST)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            manifest = json.load(handle)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise SnapshotError(f"{path}: unreadable manifest ({type(exc).__name__}: {exc})") from exc
+    problem = _manifest_problem(manifest, _step_of_folder(os.path.basename(os.path.normpath(step_path))))
+    if problem:
+        raise SnapshotError(f"{path}: malformed manifest: {problem}")
+    return manifest
+
+
+def _sharded_files(manifest: dict) -> list[str]:
+    """The names of the torch.distributed.checkpoint files a manifest lists (none for a ddp snapshot)."""
+    return sorted(name for name in manifest["files"] if SHARDED_FILE.match(name))
+
+
+def check_file(step_path: str, manifest: dict, name: str) -> str:
+    """The path of one file of a snapshot, after checking its size and sha256 against the manifest."""
+    path = os.path.join(step_path, name)
+    expected = manifest["files"].get(name)
+    if expected is None:
+        raise SnapshotError(f"{path}: not listed in the manifest")
+    try:
+        size = os.path.getsize(path)
+    except OSError as exc:
+        raise SnapshotError(f"{path}: missing ({exc.strerror})") from exc
+    if size != expected["size"]:
+        what = "empty" if size == 0 else "truncated" if size < expected["size"] else "too long"
+        raise SnapshotError(f"{path}: {what}, {size} bytes instead of {expected['size']}")
+    if _sha256_file(path) != expected["sha256"]:
+        raise SnapshotError(f"{path}: checksum mismatch, the file changed or was damaged after it was written")
+    return path
+
+
+def load_checked(step_path: str, manifest: dict, name: str) -> Any:
+    """torch.load one file of a snapshot after checking its size and sha256 against the manifest."""
+    path = check_file(step_path, manifest, name)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # the checksum matched, so this file was written by something else
+        raise SnapshotError(f"{path}: cannot be loaded ({type(exc).__name__}: {str(exc).splitlines()[0]})") from exc
+
+
+def list_steps(directory: str) -> tuple[list[int], list[int]]:
+    """(committed steps, newest first; step folders without a manifest)."""
+    committed: list[int] = []
+    incomplete: list[int] = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return [], []
+    for name in names:
+        step = _step_of_folder(name)
+        if step is None:
+            if STEP_DIR.match(name):
+                log.debug(
+                    "ignoring %s: not a snapshot folder name (%s would be)",
+                    os.path.join(directory, name),
+                    step_name(int(name[len("step-") :])),
+                )
+            continue
+        if not os.path.isdir(os.path.join(directory, name)):
+            continue
+        (committed if os.path.exists(os.path.join(directory, name, MANIFEST)) else incomplete).append(step)
+    return sorted(committed, reverse=True), sorted(incomplete)
+
+
+def _load_step(step_path, ranks, shards=(0, 1)):
+    """The shared state of one snapshot, with `rank_states` for the given ranks; raises SnapshotError.
+
+    A sharded snapshot's torch.distributed.checkpoint files are checked, not loaded (the trainer loads them, on
+    every rank together): those whose index i in the sorted list has i % shards[1] == shards[0]. "sharded_dir"
+    is their folder, or "" for a snapshot without shards.
+    """
+    manifest = read_manifest(step_path)
+    state = load_checked(step_path, manifest, SHARED)
+    state["rank_states"] = {rank: load_checked(step_path, manifest, rank_file(rank)) for rank in ranks}
+    state["world_size"] = int(manifest["world_size"])
+    sharded = _sharded_files(manifest)
+    for index, name in enumerate(sharded):
+        if index % shards[1] == shards[0]:
+            check_file(step_path, manifest, name)
+    state["sharded_dir"] = os.path.join(step_path, SHARDED_DIR) if sharded else ""
+    return state
+
+
+def load_latest(directory: str, rank: int | None = None) -> dict | None:
+    """The newest snapshot in `directory` whose files all check out, or None when the folder holds none.
+
+    Returns a dict with "model" (the unwrapped model's full state_dict, as plain CPU tensors: also for an fsdp
+    snapshot, whose shards are read and joined here), "step" (optimizer steps done), the other parts (state.py:
+    "optimizer", "scheduler", "scaler", "progress", ...; an fsdp snapshot's "optimizer" stays in its shards),
+    "config", "run_id", "world_size", and `rank_state` for `rank` when given. Damaged snapshots are skipped with a
+    warning; if every snapshot is damaged, SnapshotError says why.
+    """
+    reasons = []
+    for step in list_steps(directory)[0]:
+        step_path = os.path.join(directory, step_name(step))
+        try:
+            manifest = read_manifest(step_path)
+            every_rank = range(int(manifest["world_size"]))
+            state = _load_step(step_path, every_rank)
+            if state["sharded_dir"]:
+                state["model"] = read_sharded_model(state["sharded_dir"])
+        except SnapshotError as exc:
+            log.warning("skipping snapshot %s: %s", step_path, exc)
+            reasons.append(str(exc))
+            continue
+        if rank is not None:
+            state["rank_state"] = state["rank_states"].get(rank)
+        return state
+    if reasons:
+        raise SnapshotError(f"no usable snapshot in {os.path.abspath(directory)}: " + "; ".join(reasons))
+    return None
+
+
+def _shard_of(name: str) -> int | None:
+    """The rank that writes a file of a sharded snapshot (rank 0 writes DCP's .metadata), or None for another file."""
+    match = SHARDED_FILE.match(name)
+    if match is None:
+        return None
+    return int(match.group(2)) if match.group(2) is not None else 0
+
+
+def read_sharded_model(folder: str, prefix: str = "model") -> dict[str, torch.Tensor]:
+    """The "model" entry of a torch.distributed.checkpoint folder as a plain state_dict of full-size CPU tensors
+    (no DTensor), without a process group: the metadata gives each entry's global size and dtype, so empty tensors
+    of those are made for the model's entries only and DCP fills them from every rank's shards. The optimizer's
+    entries are never read."""
+    reader = dcp.FileSystemReader(folder)
+    try:
+        metadata = reader.read_metadata()
+    except Exception as exc:  # the checksums matched: written by something else
+        raise SnapshotError(f"{folder}: unreadable metadata ({type(exc).__name__}: {exc})") from exc
+    paths = metadata.planner_data or {}  # flat key "model.<fqn>" -> its path ("model", fqn)
+    state: dict[str, Any] = {}
+    for flat_key, item in metadata.state_dict_metadata.items():
+        path = paths.get(flat_key) or (prefix, flat_key[len(prefix) + 1 :])
+        if path[0] != prefix or len(path) != 2 or not flat_key.startswith(prefix + "."):
+            continue
+        if isinstance(item, TensorStorageMetadata):
+            state[path[1]] = torch.empty(item.size, dtype=item.properties.dtype, device="cpu")
+        elif isinstance(item, BytesStorageMetadata):
+            state[path[1]] = None  # a pickled non-tensor (a module's _extra_state): load puts it in place
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no process group: meant
+        dcp.load({prefix: state}, storage_reader=reader, no_dist=True)
+    return state

@@ -1,0 +1,141 @@
+"""Copies of a state taken off the training thread: CPU staging buffers kept from one save to the next, CUDA
+tensors copied into pinned memory on a side stream, and DTensors split into their local shards and joined again."""
+
+import copy
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def _map_state(obj: Any, fn, path: tuple = ()) -> Any:
+    """A copy of a state's dicts, lists and tuples with every other value replaced by fn(place, value), where
+    place is the tuple of keys and indices that leads to the value from `path`."""
+    if isinstance(obj, dict):
+        return {key: _map_state(value, fn, path + (key,)) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [_map_state(value, fn, path + (index,)) for index, value in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items)
+    return fn(path, obj)
+
+
+def _copy_to_cpu(obj, staging, path=(), staged=None):
+    """A deep copy with every tensor copied to CPU memory: what the writer thread serializes.
+
+    Tensors are copied into the buffers of the previous save (`staging`, keyed by their place in `obj`):
+    for a large state, fresh memory costs several times more in page faults than the copy itself, and the
+    training thread waits for this copy at its next wait_until_copied(). The price: one copy of the state stays
+    in memory.
+    A tensor whose place is in `staged` (CUDA tensors, see _DeviceCopies) is already on its way to the pinned
+    buffer named there.
+    """
+
+    def copy_one(place, value):
+        if not isinstance(value, torch.Tensor):
+            return copy.deepcopy(value)
+        if staged and place in staged:
+            return staged[place]
+        buffer = staging.get(place)
+        reusable = buffer is not None and value.layout == torch.strided
+        if reusable and buffer.shape == value.shape and buffer.dtype == value.dtype:
+            return buffer.copy_(value.detach())
+        staging[place] = value.detach().to("cpu", copy=True)
+        return staging[place]
+
+    return _map_state(obj, copy_one, path)
+
+
+class _DeviceCopies:
+    """The copies of one save's CUDA tensors into pinned CPU buffers, on a side stream of each device.
+
+    save() starts them on the training thread: it only enqueues work, so the training thread never waits for
+    the device. The side stream first waits for the training stream, so each copy sees every change enqueued
+    before save(); the training stream waits for the copies' events, on the device, at wait_until_copied(),
+    before the optimizer changes the tensors in place; the writer thread waits for the same events on the host
+    before it serializes. The pinned buffers are kept from one save to the next, like the CPU staging buffers:
+    allocating pinned memory is slow, and only a copy into pinned memory leaves the host free.
+    """
+
+    def __init__(self, pinned: dict, streams: dict):
+        self.pinned = pinned  # place in the state -> pinned CPU buffer, kept by Snapshots
+        self.streams = streams  # device -> its side stream, kept by Snapshots
+        self.staged: dict[tuple, torch.Tensor] = {}  # place -> the pinned buffer this save copies that tensor into
+        self.events: list[
+            tuple[torch.device, torch.cuda.Event]
+        ] = []  # (device, event recorded on its side stream after this save's copies)
+
+    def start(self, states: dict) -> None:
+        """Enqueue a copy of every strided CUDA tensor in `states` ({place prefix: state}), one stream per device."""
+        by_device: dict[torch.device, list[tuple[tuple, torch.Tensor]]] = {}
+        for prefix, state in states.items():
+            for path, tensor in _cuda_tensors(state, prefix):
+                by_device.setdefault(tensor.device, []).append((path, tensor))
+        for device, tensors in by_device.items():
+            stream = self.streams.get(device)
+            if stream is None:
+                stream = self.streams[device] = torch.cuda.Stream(device=device)
+            stream.wait_stream(torch.cuda.current_stream(device))  # see every change enqueued before save()
+            with torch.cuda.stream(stream):
+                for path, tensor in tensors:
+                    buffer = self.pinned.get(path)
+                    if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                        buffer = self.pinned[path] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                    buffer.copy_(tensor, non_blocking=True)
+                    # The copy reads `tensor` on the side stream: its memory must not go back to the training
+                    # stream's pool before the copy is done, even if the caller drops the tensor at once.
+                    tensor.record_stream(stream)
+                    self.staged[path] = buffer
+            event = torch.cuda.Event(blocking=True)  # the writer thread sleeps while it waits, leaving the core free
+            event.record(stream)
+            self.events.append((device, event))
+
+    def order_training_stream(self) -> None:
+        """Make the training stream wait, on the device, until the copies are done; the host does not wait."""
+        for device, event in self.events:
+            torch.cuda.current_stream(device).wait_event(event)
+
+    def wait(self) -> None:
+        """Block this (the writer) thread until every copy has landed in its pinned buffer."""
+        for _, event in self.events:
+            event.synchronize()
+
+
+def _split_dtensors(obj: Any) -> tuple[Any, dict[tuple, tuple]]:
+    """(obj with each DTensor replaced by this rank's local shard, {place: how to put the DTensor back}).
+
+    The copies off the training thread (and onto pinned memory) then treat shards as the plain tensors they are.
+    """
+    layouts: dict[tuple, tuple] = {}
+
+    def local(place, value):
+        if not isinstance(value, DTensor):
+            return value
+        layouts[place] = (value.device_mesh, value.placements, value.shape, value.stride())
+        return value.to_local()
+
+    return _map_state(obj, local), layouts
+
+
+def _join_dtensors(obj: Any, layouts: dict[tuple, tuple]) -> Any:
+    """The inverse of _split_dtensors, around the (copied) local shards."""
+
+    def wrap(place, value):
+        if place not in layouts:
+            return value
+        mesh, placements, shape, stride = layouts[place]
+        return DTensor.from_local(value, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+    return _map_state(obj, wrap)
+
+
+def _cuda_tensors(obj, path):
+    """(place, tensor) of every strided CUDA tensor in obj, walking dicts, lists and tuples as _map_state does."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_cuda and obj.layout == torch.strided:
+            yield path, obj.detach()
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _cuda_tensors(value, path + (key,))
+    elif isinstance(obj, (list, tuple)):
+        for index, value in enumerate(obj):
+            yield from _cuda_tensors(value, path + (index,))

@@ -1,0 +1,248 @@
+"""Saving: a snapshot copied off the training thread, written in the background by every rank, committed by rank 0
+once every rank's receipt is in, then old ones pruned."""
+
+import datetime
+import errno
+import functools
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from .. import distributed
+from .folder import SnapshotFolder, _eventually
+from .format import (
+    FORMAT,
+    MANIFEST,
+    SHARDED_DIR,
+    SHARED,
+    SnapshotError,
+    _manifest_problem,
+    _sha256_file,
+    _shard_of,
+    manifest_digest,
+    rank_file,
+    receipt_file,
+    step_name,
+    write_atomic,
+    write_json_atomic,
+)
+from .staging import _copy_to_cpu, _DeviceCopies, _join_dtensors, _split_dtensors
+
+log = logging.getLogger(__name__)
+
+
+def _errno_in_chain(error):
+    """The first errno among an exception and those it was raised from or during (torch.save wraps the
+    OSError of a failed write in a RuntimeError such as "[enforce fail at inline_container.cc] unexpected pos")."""
+    pending, seen = [error], set()
+    while pending:
+        exc = pending.pop(0)
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno:
+            return exc.errno
+        pending += [exc.__cause__, exc.__context__]
+    return None
+
+    # -- saving --------------------------------------------------------------------------------------------------
+
+
+class Snapshots(SnapshotFolder):
+    """Saves and finds snapshots for one job. Every rank holds one; collectives are called on every rank.
+
+    Why not torch.distributed.checkpoint (DCP) for everything: under DDP every rank holds the whole model, so one
+    file written by rank 0 plus a small file per rank (its random streams) is all a snapshot needs, and DCP's
+    sharded planning adds nothing. What this class adds on top of torch.save is what DCP does not give: a commit
+    marker written after every rank's part, a checksum per file with fallback to the previous snapshot, copies
+    taken off the training thread, pruning, and one job per folder. Under --strategy fsdp (`sharded`) each rank's
+    shards of the model and optimizer are written with DCP, from the writer thread on a gloo group of its own, and
+    come under the same receipts, checksums and commit marker; DCP reshards them when the number of ranks changes.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        env: distributed.DistEnv,
+        keep: int,
+        commit_timeout: float = 600.0,
+        sharded: bool = False,
+    ):
+        super().__init__(directory, env, keep)
+        # DCP's collectives run on the writer thread while training runs its own: they need a group of their own.
+        self._group = (
+            dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=commit_timeout))
+            if sharded and env.is_distributed
+            else None
+        )
+        self.sharded = sharded
+        self.commit_timeout = commit_timeout  # seconds rank 0 waits for every rank's part before a save fails
+        self._thread: threading.Thread | None = None
+        self._copied = threading.Event()
+        self._copied.set()
+        self._error: BaseException | None = None
+        self._staging: dict[Any, torch.Tensor] = {}  # CPU buffers the writer copies into, kept between saves
+        self._pinned: dict[tuple, torch.Tensor] = {}  # pinned CPU buffers for CUDA tensors, kept likewise
+        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}  # a side stream per CUDA device
+        self._device_copies: _DeviceCopies | None = None  # the save in flight's CUDA copies, until ordered
+
+    def save(
+        self,
+        step: int,
+        shared: dict | None,
+        rank_state: dict,
+        blocking: bool = False,
+        sharded_state: dict | None = None,
+    ) -> None:
+        """Start writing a snapshot of `step` in the background.
+
+        `shared` (rank 0's model, optimizer, ...) may hold live tensors: they are copied off the training path
+        by the writer thread, and the caller must call wait_until_copied() before anything changes them in place
+        (before optimizer.step()). Only one save is in flight: this waits for the previous one first.
+        CUDA tensors are copied into pinned memory on a side stream, started here without waiting for the
+        device (see _DeviceCopies); the first save allocates those buffers.
+        """
+        self.wait()
+        shared = shared if self.env.is_main else None
+        device_copies = _DeviceCopies(self._pinned, self._copy_streams)
+        shards, layouts = _split_dtensors(sharded_state) if sharded_state is not None else (None, {})
+        if torch.cuda.is_initialized():  # no CUDA tensor can exist before CUDA is initialized
+            device_copies.start({("shared",): shared, ("rank",): rank_state, ("sharded",): shards})
+        self._device_copies = device_copies
+        self._copied.clear()
+        self._thread = threading.Thread(
+            target=self._write,
+            args=(step, shared, rank_state, device_copies, shards, layouts),
+            name=f"snapshot-{step}",
+            daemon=True,
+        )
+        self._thread.start()
+        if blocking:
+            self.wait()
+
+    def wait_until_copied(self) -> None:
+        """Return once the save in flight has copied the state; call it before the optimizer changes the weights.
+
+        For CUDA tensors, "copied" means ordered on the device: work the caller enqueues from here on runs after
+        the copies, and the host does not wait for them.
+        """
+        self._copied.wait()
+        if self._device_copies is not None:
+            self._device_copies.order_training_stream()
+            self._device_copies = None
+        self._raise_error()
+
+    def wait(self) -> None:
+        """Return once the save in flight is written (and, on rank 0, committed); raise if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._device_copies = None  # the writer waited for them (or failed before they mattered)
+        self._raise_error()
+
+    def _raise_error(self):
+        if self._error is not None:
+            error, self._error = self._error, None
+            code = _errno_in_chain(error)
+            if code == errno.ENOSPC:
+                reason = (
+                    f"no space left on {self.directory}; free some space there or keep fewer snapshots "
+                    "(--keep-snapshots)"
+                )
+            elif code == errno.EDQUOT:
+                reason = f"disk quota exceeded on {self.directory}; free some space there or raise the quota"
+            else:
+                reason = str(error)
+            raise SnapshotError(f"saving a snapshot failed: {reason}") from error
+
+    def _write(self, step, shared, rank_state, device_copies, shards=None, layouts=None):
+        try:
+            try:
+                staged = device_copies.staged
+                shared = _copy_to_cpu(shared, self._staging, ("shared",), staged) if shared is not None else None
+                rank_state = _copy_to_cpu(rank_state, self._staging, ("rank",), staged)
+                shards = _copy_to_cpu(shards, self._staging, ("sharded",), staged) if shards is not None else None
+            finally:
+                self._copied.set()
+            device_copies.wait()
+            folder = os.path.join(self.directory, step_name(step))
+            os.makedirs(folder, exist_ok=True)
+            files = {}
+            if shared is not None:
+                files[SHARED] = write_atomic(os.path.join(folder, SHARED), lambda f: torch.save(shared, f))
+            rank = self.env.rank
+            files[rank_file(rank)] = write_atomic(
+                os.path.join(folder, rank_file(rank)), lambda f: torch.save(rank_state, f)
+            )
+            if shards is not None:
+                files.update(self._write_shards(folder, _join_dtensors(shards, layouts)))
+            write_json_atomic(os.path.join(folder, receipt_file(rank)), {"rank": rank, "files": files})
+            if self.env.is_main:
+                self._commit(folder, step)
+        except BaseException as exc:  # handed to the training thread by wait() or wait_until_copied()
+            self._error = exc
+            self._copied.set()
+
+    def _commit(self, folder, step):
+        """Write the manifest once every rank's receipt is in, then prune old snapshots."""
+        files = {}
+        deadline = time.monotonic() + self.commit_timeout
+        for rank in range(self.env.world_size):
+            path = os.path.join(folder, receipt_file(rank))
+            if not _eventually(functools.partial(os.path.exists, path), deadline - time.monotonic(), interval=0.01):
+                raise SnapshotError(
+                    f"rank {rank}'s part of {folder} did not appear within {self.commit_timeout:.0f} s: is "
+                    "--snapshot-dir a folder every machine shares?"
+                )
+            with open(path, encoding="utf-8") as handle:
+                receipt = json.load(handle)
+            expected = {rank_file(rank)} | ({SHARED} if rank == 0 else set())
+            if self.sharded and isinstance(receipt, dict) and isinstance(receipt.get("files"), dict):
+                expected |= {name for name in receipt["files"] if _shard_of(name) == rank}
+            if (
+                not isinstance(receipt, dict)
+                or not isinstance(receipt.get("files"), dict)
+                or set(receipt["files"]) != expected
+            ):
+                raise SnapshotError(f"{path} is not a receipt for rank {rank}'s files {sorted(expected)}")
+            files.update(receipt["files"])
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "world_size": self.env.world_size,
+            "files": files,
+            "created": time.time(),
+            "job": self.job,
+        }
+        manifest["manifest_sha256"] = manifest_digest(manifest)
+        problem = _manifest_problem(manifest, step)
+        if problem:  # never commit what a reader would reject
+            raise SnapshotError(f"{folder}: not committing a malformed manifest: {problem}")
+        if self._closed:
+            raise SnapshotError(f"not committing {folder}: the snapshot folder was closed while it was written")
+        if self._lock is not None and self._lock.lost:
+            raise SnapshotError(f"not committing {folder}: {self._lock.lost}")
+        write_json_atomic(os.path.join(folder, MANIFEST), manifest)
+        log.debug("snapshot %s committed", folder)
+        self._prune()
+
+    def _write_shards(self, folder, state):
+        """DCP writes this rank's shards (rank 0 also the metadata, once every rank's are written); return their
+        receipts. DCP's collectives run on this writer thread, on the snapshot group only."""
+        sharded = os.path.join(folder, SHARDED_DIR)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(sharded, sync_files=True), process_group=self._group)
+        receipts = {}
+        for name in sorted(os.listdir(sharded)):
+            if _shard_of(f"{SHARDED_DIR}/{name}") == self.env.rank:
+                path = os.path.join(sharded, name)
+                receipts[f"{SHARDED_DIR}/{name}"] = {"size": os.path.getsize(path), "sha256": _sha256_file(path)}
+        if self.env.is_main and f"{SHARDED_DIR}/.metadata" not in receipts:
+            raise SnapshotError(f"{sharded}: torch.distributed.checkpoint wrote no .metadata")
+        return receipts

@@ -1,0 +1,180 @@
+"""What a snapshot holds: a dict of named parts, each with state_dict() / load_state_dict().
+
+    shared parts (rank 0 writes them once):  model, optimizer, scheduler, scaler, progress (step, data position,
+                                             losses), and any part you add
+    rank parts (each rank writes its own):   rng (its random streams), data (its place in a stream, for streams)
+
+Saving and restoring loop over the parts, in the order they were added: the model before the optimizer (which
+holds its parameters), the optimizer before the scheduler (which sets its learning rate). ddp and fsdp differ only
+in how the model and the optimizer turn into tensors: under fsdp they are each rank's shards, written with
+torch.distributed.checkpoint (see snapshot/). The random streams are restored by the trainer itself, last, right
+before the first step (`TrainState.restore` hands them back), so that nothing in between draws from them.
+
+To snapshot something of your own (an EMA copy of the weights, a second optimizer), add it as a part in
+trainer.py (`state.add("ema", ema)`): anything with state_dict() and load_state_dict() whose state holds tensors,
+numbers, strings and containers of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from . import distributed
+from .batches import Progress
+from .distributed import DistEnv
+from .optim import reapply_hyperparameters
+from .settings import RunError, flag
+from .snapshot import capture_rng
+
+META = ("step", "config", "run_id", "torch_version")  # what shared.pt holds beside the parts
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class ProgressPart:
+    def __init__(self, progress: Progress):
+        self.progress = progress
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.progress)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for spec in dataclasses.fields(Progress):
+            if spec.name in state:
+                setattr(self.progress, spec.name, state[spec.name])
+
+
+class ModelPart:
+    """The unwrapped model's state_dict; buffers (BatchNorm statistics) are copied at once: forward changes them."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.model.state_dict()
+        for name, buffer in self.model.named_buffers():
+            if name in state:
+                state[name] = buffer.detach().clone()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        misfit = _misfit(self.model.state_dict(), state)
+        if misfit:
+            raise ValueError(misfit)
+        self.model.load_state_dict(state)
+
+
+class RngPart:
+    """This rank's random streams. Restored by the trainer itself, last (see the module docstring)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return capture_rng()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise AssertionError("the random streams are restored last, by the trainer: TrainState.restore returns them")
+
+
+class TrainState:
+    """The parts of a snapshot, in order; `sharded` (fsdp): the model and the optimizer are written as shards."""
+
+    def __init__(self, env: DistEnv, sharded: bool):
+        self.env, self.sharded = env, sharded
+        self.shared: dict[str, Stateful] = {}
+        self.rank: dict[str, Stateful] = {}
+
+    def add(self, name: str, part: Stateful, per_rank: bool = False) -> None:
+        if name in self.shared or name in self.rank or name in META or name in ("rank_state", "rank_states"):
+            raise ValueError(f"a snapshot part named {name!r} exists already")
+        (self.rank if per_rank else self.shared)[name] = part
+
+    def capture(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
+        """(shared parts, this rank's parts, sharded parts or None), the tensors still live: the snapshot writer
+        copies them off the training thread before the next optimizer step."""
+        sharded_state = None
+        if self.sharded:
+            # DCP keeps one copy of each buffer (BatchNorm statistics): make it rank 0's, as under ddp. The next
+            # step starts from rank 0's anyway.
+            model = self._model()
+            distributed.broadcast_buffers(self.env, model)
+            model_state, optimizer_state = get_state_dict(model, self._optimizer())
+            for name, buffer in model.named_buffers():
+                if name in model_state:
+                    model_state[name] = buffer.detach().clone()
+            sharded_state = {"model": model_state, "optimizer": optimizer_state}
+        shared = {
+            name: {} if sharded_state is not None and name in sharded_state else part.state_dict()
+            for name, part in self.shared.items()
+        }
+        return shared, {name: part.state_dict() for name, part in self.rank.items()}, sharded_state
+
+    def restore(self, resumed: dict[str, Any], folder: str) -> dict[str, Any] | None:
+        """Load a snapshot into every part but the random streams; return this rank's random streams (to restore
+        last), or None when the snapshot was written by another number of ranks (re-seed them then)."""
+        try:
+            if self.sharded:
+                self._load_shards(resumed["sharded_dir"])
+            for name, part in self.shared.items():
+                if self.sharded and name in ("model", "optimizer"):
+                    continue
+                if name not in resumed:
+                    raise KeyError(f"no part {name!r}")
+                part.load_state_dict(resumed[name])
+        except (RuntimeError, ValueError, KeyError, dcp.api.CheckpointException) as exc:
+            reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            raise RunError(
+                f"the snapshot {folder} does not fit this model ({reason}): it was written for another model or "
+                f"optimizer. Start from scratch with {flag('resume')} never (what the folder holds is moved aside), "
+                f"or pass another {flag('snapshot_dir')}"
+            ) from None
+        rank_state = resumed.get("rank_state")
+        if rank_state is None:  # another world size: no state of this rank's
+            return None
+        for name, part in self.rank.items():
+            if name != "rng":
+                part.load_state_dict(rank_state[name])
+        return rank_state["rng"]
+
+    def _load_shards(self, folder: str) -> None:
+        """The model's and optimizer's shards (resharded by torch.distributed.checkpoint when the number of ranks
+        changed), with the optimizer's hyperparameters from the current build_optimizer."""
+        model, optimizer = self._model(), self._optimizer()
+        current = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=folder)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        reapply_hyperparameters(optimizer, current)
+
+    def _model(self) -> nn.Module:
+        return self.shared["model"].model  # type: ignore[attr-defined]
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        return self.shared["optimizer"].optimizer  # type: ignore[attr-defined]
+
+
+def estimated_bytes(model: nn.Module) -> int:
+    """Room one snapshot needs, checked before the first save: the weights, and as much again twice for an
+    optimizer's state (Adam's two moments). The summary reports the size measured on disk."""
+    return 3 * sum(p.numel() * p.element_size() for p in model.parameters()) + 2**20
+
+
+def _misfit(expected: dict, found: dict) -> str:
+    """How a snapshot's weights differ from the model's, in a few words; '' when they fit."""
+    missing = [k for k in expected if k not in found]
+    unexpected = [k for k in found if k not in expected]
+    reshaped = [k for k in expected if k in found and getattr(found[k], "shape", None) != expected[k].shape]
+    parts = [
+        f"{len(names)} {what}, e.g. {names[0]!r}"
+        for names, what in ((missing, "missing"), (unexpected, "unexpected"), (reshaped, "of another shape"))
+        if names
+    ]
+    return "; ".join(parts)

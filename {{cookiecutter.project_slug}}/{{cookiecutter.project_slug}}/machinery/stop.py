@@ -1,0 +1,88 @@
+"""Stopping on a signal: SIGTERM (preemption) or Ctrl-C stops every rank at the same step, with a snapshot."""
+
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import joblock
+from .distributed import DistEnv
+
+STOP_RECORD = "stopped.json"  # in the snapshot folder: which torchrun job a signal stopped, at which step
+
+
+def stopped_by_signal(snapshot_dir: str) -> int:
+    """The signal that stopped this torchrun job, when this process is one of torchrun's restarts of it; else 0.
+
+    A SIGTERM or Ctrl-C that reaches only the workers (Kubernetes and srun signal every process) stops them at a
+    step with a snapshot, and they exit with 128 + signal. torchrun takes that for a failure and restarts them;
+    each restart reads the job's stop record and exits at once with the same code, so the job stays stopped
+    (and its exit code says so) instead of training on. A new launch, even with the same --rdzv-id (a requeued
+    SLURM job), is no restart: it clears the record and resumes.
+    """
+    if not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0):
+        return 0
+    try:
+        with open(os.path.join(snapshot_dir, STOP_RECORD), encoding="utf-8") as handle:
+            record = json.load(handle)
+    except (OSError, ValueError):
+        return 0
+    stopped_job = record.get("job") if isinstance(record, dict) else None
+    signum = record.get("signal") if isinstance(record, dict) else None
+    return signum if stopped_job == joblock.current_job() and isinstance(signum, int) and signum > 0 else 0
+
+
+class StopRequest:
+    """SIGTERM (what torchrun, SLURM and Kubernetes send before a kill) or Ctrl-C asks the job to stop at a step.
+
+    The handler only sets a flag; a second Ctrl-C interrupts at once. The ranks agree on when to stop with a
+    one-number all_reduce started after each step and read after the next one, so its latency hides behind the
+    step and all ranks stop together.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, env: DistEnv):
+        self.env = env
+        self.signal = 0  # the signal this rank received
+        self.stopped = False  # set on every rank at the same step once the ranks agree to stop
+        self._pending = None
+        self._flag = torch.zeros(1, dtype=torch.int64)
+        self._signalled_at = 0.0
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
+
+    def _handle(self, signum, frame):
+        # A second Ctrl-C stops at once, without a snapshot; not the copy torchrun forwards right after the first.
+        if signum == signal.SIGINT and self.signal and time.monotonic() - self._signalled_at > 1.0:
+            raise KeyboardInterrupt
+        self.signal, self._signalled_at = self.signal or signum, time.monotonic()
+
+    def agreed(self) -> bool:
+        """True on every rank at the same step, once any rank got the signal."""
+        if not self.env.is_distributed:
+            self.stopped = bool(self.signal)
+            return self.stopped
+        if self._pending is not None:
+            self._pending.wait()
+            self.stopped = bool(self._flag.item())
+            self.signal = self.signal or int(self._flag.item())
+        self._flag.fill_(self.signal)
+        self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
+        return self.stopped
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending.wait()  # every rank started the same number of these: finish the last one everywhere
+            self._pending = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
+
+    def __enter__(self) -> "StopRequest":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

@@ -1,0 +1,452 @@
+"""The training loop. `train()` reads top to bottom: train step -> log -> evaluate -> snapshot -> stop check.
+
+`Trainer` puts the rooms together: the user's hooks (hooks.py), the data position (batches.py, stream.py), the
+model across the ranks (parallel.py), one step (step.py), evaluation (evaluate.py), what a snapshot holds
+(state.py) and where it goes (snapshot/), and what the run leaves (report.py).
+
+What a resume takes from the snapshot, and what from the command line (or --config) of the new launch:
+- From the snapshot: every part of state.py (weights, optimizer state, scheduler, scaler, step, data position,
+  every rank's random streams), the run id, and the run's length in samples (see `RunLength`).
+- From the command line: everything else, applied from the first resumed step. The default learning-rate schedule
+  is a function of the samples seen, so a new --lr, --warmup-steps, --max-steps or --epochs rescales it; the
+  optimizer's hyperparameters come from build_optimizer with the new settings, group by group (a new
+  --weight-decay applies, a no-decay group stays no-decay); --batch-size and --grad-accum change the step size
+  while the data position stays exact in samples. The changed settings are logged once.
+- A snapshot of another model (other layer names or shapes) stops the run with one line: use --resume never.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+
+from . import distributed, joblock, tracking, watchdog
+from .batches import Batches, Progress, RunLength
+from .distributed import DistEnv
+from .evaluate import evaluate
+from .hooks import UserCode
+from .optim import OptimizerPart, SampleSchedule, default_optimizer
+from .parallel import Parallel
+from .report import Summary, export, progress_bar, snapshot_size, val_text, write_config, write_summary
+from .settings import RunError, flag
+from .snapshot import SnapshotError, Snapshots, restore_rng, step_name, write_json_atomic
+from .state import ModelPart, ProgressPart, RngPart, TrainState, estimated_bytes
+from .step import Stepper
+from .stop import STOP_RECORD, StopRequest
+from .stream import StreamBatches
+
+log = logging.getLogger(__name__)
+PACKAGE = __name__.rsplit(".", 2)[0]  # the project's package, which holds model.py and data.py
+
+
+class ScalerPart:
+    """The fp16 gradient scaler; nothing to save or load when it is off."""
+
+    def __init__(self, scaler: torch.amp.GradScaler):
+        self.scaler = scaler
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler.is_enabled() and state:
+            self.scaler.load_state_dict(state)
+
+
+class Trainer:
+    """Everything one run holds: model, data, optimizer, snapshots, trackers; resumed if a snapshot is there."""
+
+    def __init__(self, cfg: Any, env: DistEnv):
+        self.cfg, self.env = cfg, env
+        self.user = UserCode(PACKAGE)
+        for line in self.user.misspelled():
+            self._warn_once("%s", line)
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        self.train_data, self.val_data = self.user.build_datasets(cfg)
+        self.stream = isinstance(self.train_data, IterableDataset)
+        self.global_batch = env.world_size * cfg.batch_size * cfg.grad_accum
+        if not self.stream and len(self.train_data) < self.global_batch:
+            raise RunError(
+                f"the training data has {len(self.train_data)} samples, fewer than one optimizer step takes "
+                f"({env.world_size} rank(s) x {flag('batch_size')} {cfg.batch_size} x {flag('grad_accum')} "
+                f"{cfg.grad_accum} = {self.global_batch}): lower them"
+            )
+        self.model = self.user.build_model(cfg, self.train_data).to(env.device)
+        self.parallel = Parallel(self.model, cfg, env, self.user)  # fsdp shards here, before the optimizer
+        self.sharded = self.parallel.sharded
+
+        timeout = distributed.collective_timeout(cfg).total_seconds()  # how long one rank may wait for the others
+        self.snapshots = Snapshots(
+            cfg.snapshot_dir, env, keep=cfg.keep_snapshots, commit_timeout=timeout, sharded=self.sharded
+        )
+        try:  # each decided on rank 0 or agreed by every rank: the same error everywhere
+            self.snapshots.prepare(estimated_bytes(self.model), fresh_start=cfg.resume == "never")
+        except SnapshotError as exc:  # prepare has let the folder go
+            raise RunError(str(exc)) from None
+        try:  # the folder's job lock is this run's now: a start-up that fails lets it go
+            rng_state = self._build_and_restore()
+        except BaseException:
+            self.snapshots.close()
+            raise
+        if env.is_main:
+            write_config(cfg, self.snapshots.directory)
+        self._warn_about_settings()
+
+        self.parallel.wrap(resumed=self.resumed_from >= 0)
+        self.tracker = tracking.make_tracker(
+            env, cfg.wandb, cfg.wandb_project, self.run_id, cfg.to_dict(), cfg.metrics_file, self.resumed_from
+        )
+        self.last_saved = self.resumed_from if self.resumed_from >= 0 else None
+        self.hang_watch = watchdog.HangWatch(env.rank, timeout * 0.8, cfg.log_file)  # stacks, before the timeout
+        self._timer = time.perf_counter()
+        # The random streams last, right before the first step, so nothing in between can draw from them.
+        if rng_state is not None:
+            restore_rng(rng_state)
+        else:  # a fresh start, or a resume with another number of ranks: new streams, distinct per rank and step
+            seed_everything(cfg.seed + env.rank + 1_000_003 * self.progress.step)
+
+    def _build_and_restore(self) -> dict | None:
+        """The run id, the optimizer, the schedule and the data, restored from the newest good snapshot if there is
+        one; return this rank's random streams to restore last (None: re-seed them)."""
+        cfg, env = self.cfg, self.env
+        try:
+            self.run_id = tracking.run_id(env, self.snapshots.directory)
+            resumed = self.snapshots.resume()
+        except SnapshotError as exc:
+            raise RunError(str(exc)) from None
+        stop_record = os.path.join(self.snapshots.directory, STOP_RECORD)
+        if env.is_main and os.path.exists(stop_record):
+            os.remove(stop_record)  # a new launch, not a restart of a stopped job: it is no longer stopped
+        self.progress = Progress(step_samples=self.global_batch)
+        if resumed is not None:  # first: the run's length and the scheduler's total steps depend on it
+            self._check_resumable(resumed)
+            ProgressPart(self.progress).load_state_dict(resumed["progress"])
+        self.resumed_from = self.progress.step if resumed is not None else -1
+        self.length = RunLength(cfg, self.progress.step_samples, None if self.stream else len(self.train_data))
+        self.total_steps = self.length.steps(self.progress, self.global_batch)
+
+        self.optimizer = (self.user.build_optimizer or default_optimizer)(cfg, self.model)
+        if self.user.build_scheduler is not None:
+            self.scheduler = self.user.build_scheduler(cfg, self.optimizer, self.total_steps)
+        else:
+            self.scheduler = SampleSchedule(self.optimizer, self.length, self.progress)
+        self.scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16" and env.device.type == "cuda")
+        if self.stream:
+            self.batches: Batches | StreamBatches = StreamBatches(
+                self.train_data, cfg, env, self.progress, self.user.collate
+            )
+        else:
+            self.batches = Batches(self.train_data, cfg, env, self.progress, self.user.collate)
+
+        # What a snapshot holds, in the order it is restored (state.py): add your own parts here.
+        self.state = TrainState(env, self.sharded)
+        self.state.add("model", ModelPart(self.model))
+        self.state.add("optimizer", OptimizerPart(self.optimizer))
+        self.state.add("scheduler", self.scheduler)
+        self.state.add("scaler", ScalerPart(self.scaler))
+        self.state.add("progress", ProgressPart(self.progress))
+        self.state.add("rng", RngPart(), per_rank=True)
+        if isinstance(self.batches, StreamBatches):  # a stream's place is each rank's own
+            self.state.add("data", self.batches, per_rank=True)
+
+        self.stepper = Stepper(
+            self.parallel, self.optimizer, self.scheduler, self.scaler, self.user, cfg, env, self.progress
+        )
+        if resumed is None:
+            return None
+        folder = os.path.join(self.snapshots.directory, step_name(resumed["step"]))
+        rng_state = self.state.restore(resumed, folder)
+        self._log_changed_settings(resumed, folder)
+        return rng_state
+
+    def _check_resumable(self, resumed: dict) -> None:
+        folder = os.path.join(self.snapshots.directory, step_name(resumed["step"]))
+        written_with = "fsdp" if resumed["sharded_dir"] else "ddp"
+        if written_with != self.cfg.strategy:
+            raise RunError(
+                f"the snapshot {folder} was written with {flag('strategy')} {written_with}: resume with that "
+                f"strategy, or start from scratch with {flag('resume')} never (what the folder holds is moved aside)"
+            )
+        if resumed["world_size"] != self.env.world_size:
+            if self.stream:
+                raise RunError(
+                    f"the snapshot {folder} was written by {resumed['world_size']} rank(s) and this job has "
+                    f"{self.env.world_size}: each rank's place in a stream is its own, so a stream resumes with as "
+                    f"many ranks only (or start from scratch with {flag('resume')} never)"
+                )
+            self._warn_once(
+                "the snapshot was written by %d rank(s) and this job has %d: model, optimizer and data position (by "
+                "samples seen) are restored and every rank's random streams are re-seeded, so this run will not "
+                "match an uninterrupted one bit for bit",
+                resumed["world_size"],
+                self.env.world_size,
+            )
+
+    # -- one optimizer step ------------------------------------------------------------------------------------
+
+    def forward_backward(self, micro_batches: list) -> None:
+        """Forward and backward over the micro-batches of one optimizer step (step.py)."""
+        self.stepper.forward_backward(micro_batches)
+
+    def optimizer_step(self) -> None:
+        """Clip, step, move the schedule and the step count on (step.py)."""
+        self.stepper.optimizer_step()
+        self.hang_watch.beat()
+
+    def due(self, every: int) -> bool:
+        """True at every `every`-th step and at the last one (`every` = 0: only at the last one)."""
+        step = self.progress.step
+        return step >= self.total_steps or (every > 0 and step % every == 0)
+
+    # -- logging, evaluation, snapshots ------------------------------------------------------------------------
+
+    def log_metrics(self) -> None:
+        """Mean loss since the last log over every rank, learning rate, speed; stops a run whose loss diverged."""
+        progress, elapsed = self.progress, time.perf_counter() - self._timer
+        loss = self._synced_loss()
+        progress.last_loss = loss
+        if math.isnan(progress.first_loss):
+            progress.first_loss = loss
+        metrics = {
+            "loss": loss,
+            "lr": self.stepper.lr,
+            "epoch": progress.epoch,
+            "samples_per_s": self.stepper.loss_steps * self.global_batch / elapsed,
+        }
+        if self.cfg.clip_grad:
+            metrics["grad_norm"] = float(self.stepper.grad_norm)
+        log.info(
+            "step %d/%d  epoch %d  loss %.4f  lr %.2e  %.0f samples/s%s",
+            progress.step,
+            self.total_steps,
+            progress.epoch,
+            loss,
+            metrics["lr"],
+            metrics["samples_per_s"],
+            f"  grad norm {metrics['grad_norm']:.3g}" if "grad_norm" in metrics else "",
+        )
+        self.tracker.log(metrics, progress.step)
+        self.stepper.reset_loss()
+        self._timer = time.perf_counter()
+
+    def evaluate(self) -> dict[str, float]:
+        """val_loss and val_<name> over every validation sample, each counted once across the ranks (evaluate.py)."""
+        started = time.perf_counter()
+        results, count = evaluate(self.val_data, self.parallel, self.user, self.cfg, self.env, self.hang_watch.beat)
+        if results:
+            self._record_evaluation(results, count, time.perf_counter() - started)
+        return results
+
+    def save_snapshot(self, blocking: bool = False) -> None:
+        """Start writing a snapshot of this step in the background (snapshot/); refuse a diverged state."""
+        if self.stepper.loss_steps:
+            self._synced_loss()  # stops the run if the loss since the last log diverged: no NaN snapshot
+        shared, rank_state, sharded_state = self.state.capture()
+        shared.update(
+            step=self.progress.step,
+            config=self.cfg.to_dict(),
+            run_id=self.run_id,
+            torch_version=str(torch.__version__),
+        )
+        self.snapshots.save(self.progress.step, shared, rank_state, blocking=blocking, sharded_state=sharded_state)
+        self.last_saved = self.progress.step
+
+    def export(self, name: str) -> None:
+        export(self.model, self.sharded, self.env, self.cfg.export_dir, name)
+
+    def finish(self, stop: StopRequest) -> Summary:
+        """Final snapshot, export and summary (also for a run that was already complete when it started)."""
+        stop.close()
+        stopped = stop.stopped
+        if stopped:
+            self._warn_once(
+                "stopping at step %d of %d on signal %d: saving a snapshot; run the same command again to resume",
+                self.progress.step,
+                self.total_steps,
+                stop.signal,
+            )
+        if self.last_saved != self.progress.step:
+            self.save_snapshot(blocking=True)
+        self.snapshots.wait()
+        if stopped and self.env.is_main:
+            write_json_atomic(
+                os.path.join(self.snapshots.directory, STOP_RECORD),
+                {"job": joblock.current_job(), "step": self.progress.step, "signal": stop.signal},
+            )
+        summary = self._summary(
+            already_complete=self.resumed_from >= self.total_steps, stop_signal=stop.signal if stopped else 0
+        )
+        if not stopped:
+            self.export("model.pt")  # final weights only from a run that finished
+        if self.env.is_main:
+            write_summary(summary, self.cfg.export_dir)  # a stopped run's too, with its stop_signal
+        if summary.already_complete:
+            log.info(
+                "already complete: %d of %d steps, last loss %.4f%s; nothing to train (raise --max-steps or "
+                "--epochs to train on, or pass --resume never to start over)",
+                summary.steps,
+                summary.total_steps,
+                summary.last_loss,
+                val_text(summary),
+            )
+        elif not stopped:
+            log.info(
+                "done: %d rank(s), %d steps%s, loss %.4f -> %.4f%s",
+                summary.world_size,
+                summary.steps,
+                f" (resumed at step {self.resumed_from})" if self.resumed_from >= 0 else "",
+                summary.first_loss,
+                summary.last_loss,
+                val_text(summary),
+            )
+        log.info(
+            "snapshots: %s (newest %s); exported weights: %s",
+            summary.snapshot_dir,
+            summary.newest_snapshot,
+            os.path.abspath(self.cfg.export_dir),
+        )
+        return summary
+
+    def close(self) -> None:
+        self.hang_watch.close()
+        self.tracker.finish()
+        self.snapshots.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        try:
+            if kind is None or issubclass(kind, RunError):
+                self.snapshots.wait()  # a save in flight holds a good state: let it commit (not after a failure,
+                # where a lost rank's part may never come)
+        finally:
+            self.close()
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+
+    def _log_changed_settings(self, resumed: dict, folder: str) -> None:
+        changed = [
+            f"{key} {value!r} -> {getattr(self.cfg, key)!r}"
+            for key, value in resumed["config"].items()
+            if hasattr(self.cfg, key) and value != getattr(self.cfg, key)
+        ]
+        if changed:
+            log.info("settings changed since %s was written (applied from now on): %s", folder, ", ".join(changed))
+
+    def _warn_about_settings(self) -> None:
+        cfg, steps = self.cfg, self.total_steps
+        log.info(
+            "%s from step %d of %d: %d rank(s) x batch %d x accum %d = %d samples/step, %d parameters",
+            "resuming" if self.resumed_from >= 0 else "training",
+            self.progress.step,
+            steps,
+            self.env.world_size,
+            cfg.batch_size,
+            cfg.grad_accum,
+            self.global_batch,
+            sum(p.numel() for p in self.model.parameters()),
+        )
+        if self.user.build_scheduler is None and cfg.warmup_steps >= self.length.samples // self.length.step_samples:
+            self._warn_once(
+                "%s %d is not shorter than the run (%d steps): the learning rate never reaches its peak",
+                flag("warmup_steps"),
+                cfg.warmup_steps,
+                self.length.samples // self.length.step_samples,
+            )
+        if cfg.amp == "fp16" and self.env.device.type != "cuda":
+            self._warn_once("%s fp16 without CUDA runs without a gradient scaler; prefer bf16 on CPU", flag("amp"))
+
+    def _warn_once(self, message: str, *args) -> None:
+        """A warning that every rank reaches alike (settings, an agreed stop): rank 0 says it, the others at DEBUG."""
+        log.log(logging.WARNING if self.env.is_main else logging.DEBUG, message, *args)
+
+    def _record_evaluation(self, results: dict[str, float], count: int, seconds: float) -> None:
+        progress = self.progress
+        progress.val_loss = results["val_loss"]
+        log.info(
+            "eval at step %d: %s (%d samples, %.1f s)",
+            progress.step,
+            "  ".join(f"{k} {v:.4f}" for k, v in results.items()),
+            count,
+            seconds,
+        )
+        self.tracker.log(results, progress.step)
+        self._timer += seconds  # samples/s counts training time only
+        if progress.val_loss < progress.best_val_loss:
+            progress.best_val_loss, progress.best_step = progress.val_loss, progress.step
+            self.export("best.pt")
+
+    def _synced_loss(self) -> float:
+        """The mean training loss since the last log, over every rank; a NaN or infinite one stops the run."""
+        try:
+            return self.stepper.mean_loss()
+        except FloatingPointError:
+            raise RunError(
+                f"the training loss is not finite at step {self.progress.step}: the run diverged, so no snapshot is "
+                f"saved over the good ones (newest: step {self.last_saved}). Lower {flag('lr')}, set "
+                f"{flag('clip_grad')}, or check the data; then run the same command again to resume from that snapshot"
+            ) from None
+
+    def _summary(self, already_complete: bool, stop_signal: int) -> Summary:
+        cfg, progress = self.cfg, self.progress
+        return Summary(
+            world_size=self.env.world_size,
+            steps=progress.step,
+            total_steps=self.total_steps,
+            resumed_from=self.resumed_from,
+            samples_seen=progress.samples_seen,
+            first_loss=progress.first_loss,
+            last_loss=progress.last_loss,
+            val_loss=progress.val_loss,
+            best_val_loss=progress.best_val_loss,
+            best_step=progress.best_step,
+            snapshot_dir=self.snapshots.directory,
+            newest_snapshot=step_name(progress.step),
+            export_dir=os.path.abspath(cfg.export_dir),
+            log_file=os.path.abspath(cfg.log_file.replace("{rank}", "0")) if cfg.log_file else "",
+            metrics_file=os.path.abspath(cfg.metrics_file) if cfg.metrics_file else "",
+            already_complete=already_complete,
+            stop_signal=stop_signal,
+            snapshot_bytes=snapshot_size(os.path.join(self.snapshots.directory, step_name(progress.step))),
+        )
+
+
+def train(cfg: Any, env: DistEnv) -> Summary:
+    """Train until --max-steps or --epochs; resume from the newest good snapshot in --snapshot-dir if there is one."""
+    with (
+        Trainer(cfg, env) as trainer,  # model, data, optimizer, snapshots: restored from the newest good snapshot
+        StopRequest(env) as stop,
+        progress_bar(env, trainer.total_steps, trainer.progress.step) as bar,
+    ):
+        progress, snapshots = trainer.progress, trainer.snapshots
+        while progress.step < trainer.total_steps and not stop.stopped:
+            trainer.forward_backward(next(trainer.batches))
+            # Between backward and the optimizer step, always: the save in flight must have copied the weights
+            # before the optimizer changes them in place (a test fails when it moves).
+            snapshots.wait_until_copied()
+            trainer.optimizer_step()
+            bar.update()
+
+            if trainer.due(cfg.log_every):
+                trainer.log_metrics()
+            if trainer.due(cfg.eval_every):
+                trainer.evaluate()
+            if trainer.due(cfg.snapshot_every):
+                trainer.save_snapshot()
+            stop.agreed()  # every rank learns of a SIGTERM or Ctrl-C at the same step
+        return trainer.finish(stop)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
