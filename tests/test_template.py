@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ FAST_OWN_TESTS = [
     "tests/test_config.py::test_help_lists_every_contract_flag",
 ]
 OWN_MODEL = ROOT / "tests" / "own_model"
+OWN_LM = ROOT / "tests" / "own_lm"  # a transformer language model on a stream, with its own seam tests
 DEMO_BLOCK = re.compile(
     r"^[ \t]*# --- demo settings: delete them with the demo model and data ---\n"
     r".*?^[ \t]*# --- end of demo settings ---\n",
@@ -124,11 +126,12 @@ def _load_jsonc():
 load_jsonc = _load_jsonc()
 
 
-def swap_in_own_model(project):
-    """What a user does: replace model.py and data.py with their own, delete the demo settings from config.py."""
+def swap_in_own_model(project, source=OWN_MODEL):
+    """What a user does: replace model.py and data.py with their own (from `source`), delete the demo settings from
+    config.py."""
     package = project / project.name
     for name in ("model.py", "data.py"):
-        (package / name).write_text((OWN_MODEL / name).read_text())
+        (package / name).write_text((source / name).read_text())
     config = package / "config.py"
     text, removed = DEMO_BLOCK.subn("", config.read_text())
     assert removed == 1, "config.py must hold exactly one marked demo-settings block"
@@ -144,7 +147,7 @@ def test_defaults_bake_a_project_that_passes_the_quick_part_of_its_tests(tmp_pat
         "pyproject.toml",
         "README.md",
         ".vscode/launch.json",
-        "ddp_project/snapshot.py",
+        "ddp_project/machinery/snapshot/__init__.py",
         "tests/conftest.py",
     ]:
         assert (project / name).is_file(), name
@@ -194,7 +197,27 @@ def test_slug_is_derived_from_the_name(tmp_path):
     project = bake(tmp_path, project_name="My Cool-Project")
     assert_clean_bake(project)
     assert project.name == "my_cool_project"
-    assert (project / "my_cool_project" / "trainer.py").is_file()
+    assert (project / "my_cool_project" / "machinery" / "trainer.py").is_file()
+
+
+@pytest.mark.parametrize(
+    "name, slug",
+    [
+        ('Zoë\'s "Net"', "zoës_net"),
+        ("  Hello,  World! -- v2.0 ", "hello_world_v20"),
+        ("3D U-Net", "project_3d_u_net"),
+        ("Class", "project_class"),
+        ("🚀 !!", "project"),
+    ],
+)
+def test_slug_derived_from_a_name_with_punctuation_is_a_valid_identifier(tmp_path, name, slug):
+    """Only the name given: the default slug drops what cannot be in an identifier and the hook accepts it."""
+    project = bake(tmp_path, project_name=name)
+    assert project.name == slug
+    assert (project / slug / "__init__.py").is_file()
+    assert json.loads((project / ".cookiecutter.json").read_text(encoding="utf-8"))["project_slug"] == slug
+    assert run_in(project, "-c", f"import {slug}; print({slug}.__name__)").stdout.strip() == slug
+    assert name in (project / "README.md").read_text(encoding="utf-8")
 
 
 def test_awkward_text_bakes_into_valid_python_toml_and_json(tmp_path):
@@ -325,3 +348,33 @@ def test_template_python_is_lint_clean():
     """The template's own tests, scripts, benchmarks, hooks and filters pass ruff with the root ruff.toml."""
     run_in(ROOT, "-m", "ruff", "check", "--no-cache", ".")
     run_in(ROOT, "-m", "ruff", "format", "--no-cache", "--check", ".")
+
+
+# The baked tests a language model on a stream can break that hold no assumption about the model or its batches
+# (each picked by reading it): `python train.py` without torchrun, loss falling, metrics, summary and export
+# (test_train's first); a second launch that continues a stopped run and a third that finds it complete, the
+# stream's position skipped on a new launch rather than a torchrun restart (test_train's second); dict batches
+# through --clip-grad and the metrics file (test_seam's, on its one 2-rank run). Left out: test_seam's evaluation
+# and export tests and test_fault_tolerance (they call loss_fn on (inputs, targets) pairs; test_own_lm.py checks
+# the same claims on this model: exact val_loss, bitwise SIGKILL resume, no-decay groups across a resume), and
+# test_config's too-small-dataset test (a stream has no len()).
+OWN_LM_BAKED_TESTS = [
+    "tests/test_train.py::test_single_process_trains_and_summarizes",
+    "tests/test_train.py::test_second_launch_resumes_from_the_snapshot",
+    "tests/test_seam.py::test_metrics_file_has_one_record_per_logged_step",
+]
+
+
+def test_a_transformer_lm_on_a_stream_passes_the_seam_tests(tmp_path):
+    """A model the project never shows: dict batches padded by the user's collate, a token-weighted compute_loss,
+    an IterableDataset without len(), the user's optimizer groups and schedule, blocks in an nn.ModuleList."""
+    project = bake(tmp_path)
+    swap_in_own_model(project, OWN_LM)
+    shutil.copy(OWN_LM / "own_lm_tests.py", project / "tests" / "test_own_lm.py")
+    tests = ["tests/test_own_lm.py", *OWN_LM_BAKED_TESTS]
+    result = run_in(
+        project, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile", *tests, timeout=900
+    )
+    summary = result.stdout.strip().splitlines()[-1]
+    assert re.search(r"\d+ passed", summary) and not re.search(r"failed|error|skipped", summary), summary
+    print(f"the language model's seam tests: {summary}")
