@@ -43,6 +43,7 @@ def run(cfg: config.Config) -> Summary:
     """Train with settings already parsed: set up this rank, train, tear down."""
     from {{ cookiecutter.project_slug }}.machinery import debug, distributed, joblock, logs, stop, trainer
     from {{ cookiecutter.project_slug }}.machinery.snapshot import SnapshotError
+    from {{ cookiecutter.project_slug }}.machinery.stream import StreamEnded
 
     env = distributed.read_env()
     logs.setup(env.rank, cfg.log_file)
@@ -66,7 +67,7 @@ def run(cfg: config.Config) -> Summary:
         # Every rank meets the same problem: rank 0 says it, in one line, and each rank exits with code 2.
         log.log(logging.ERROR if env.is_main else logging.DEBUG, "%s", exc)
         raise SystemExit(2) from None
-    except SnapshotError as exc:  # this rank's own (a save that failed): one line, tagged with the rank
+    except (SnapshotError, StreamEnded) as exc:  # this rank's own (a failed save, its stream's end): one line, tagged
         log.error("%s", exc)
         raise SystemExit(2) from None
     except SystemExit:

@@ -4,6 +4,7 @@ worker its exact share, a token-weighted loss is the mean over every rank's toke
 Nothing here names the demo's model or data.
 """
 
+import io
 import sys
 import types
 
@@ -15,10 +16,10 @@ from torch.utils.data import DataLoader, IterableDataset
 
 sys.path.insert(0, str(ROOT))
 
-from {{ cookiecutter.project_slug }}.machinery.batches import to_device
+from {{ cookiecutter.project_slug }}.machinery.batches import Progress, to_device
 from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
 from {{ cookiecutter.project_slug }}.machinery.hooks import UserCode
-from {{ cookiecutter.project_slug }}.machinery.stream import RankShare
+from {{ cookiecutter.project_slug }}.machinery.stream import RankShare, StreamBatches, StreamEnded
 
 # -- any batch to the device ---------------------------------------------------------------------------------------
 
@@ -75,6 +76,26 @@ def test_a_dataset_that_shards_itself_is_taken_whole():
     mine = Numbers(40)
     mine.shards_itself = True
     assert share(1, 4, 0, dataset=mine) == list(range(40))
+
+
+def test_steps_of_a_stream_resume_from_their_state_and_its_end_is_an_error():
+    cfg = types.SimpleNamespace(batch_size=2, grad_accum=2, num_workers=0)
+
+    def batches():  # rank 0 of 2 on the stream 0, 1, ..., 19: items 0, 2, 4, ...
+        return StreamBatches(Numbers(20), cfg, DistEnv(rank=0, world_size=2), Progress(), None)
+
+    whole = batches()
+    first = [batch.tolist() for batch in next(whole)]
+    saved = io.BytesIO()
+    torch.save(whole.state_dict(), saved)  # as a snapshot holds it
+    second = [batch.tolist() for batch in next(whole)]
+    assert first + second == [[0, 2], [4, 6], [8, 10], [12, 14]]
+    resumed = batches()
+    saved.seek(0)
+    resumed.load_state_dict(torch.load(saved, weights_only=True))
+    assert [batch.tolist() for batch in next(resumed)] == second
+    with pytest.raises(StreamEnded):
+        next(whole)  # items 16 and 18 are left: not a whole step
 
 
 # -- a token-weighted loss over ranks with unequal counts ------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The data. Replace `build_datasets` with yours: nothing here knows about ranks; the trainer shards the data.
 
-`build_datasets(cfg)` returns `(train, val)`: map-style datasets (`len()` and `dataset[i]`) whose items are
-`(inputs, target)` pairs the default collate can batch. `val` may be None: no evaluation then.
+`build_datasets(cfg)` returns `(train, val)`; `val` may be None (no evaluation). Items can be `(inputs, target)`
+pairs, as here, or dicts and other nested structures (then write `compute_loss` in model.py); an optional
+`collate(items)` here makes a batch of them (e.g. padding). `train` may be map-style (`len()` and `dataset[i]`:
+exact position by index at any world size) or a stream (an `IterableDataset`: each rank takes its share).
 
 The demo data is synthetic, made on the spot from a fixed seed (no download): points in 32 dimensions,
 labelled by a random linear "teacher" plus noise. A model can learn it, so the loss visibly falls.

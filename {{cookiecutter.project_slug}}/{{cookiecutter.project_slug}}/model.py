@@ -2,13 +2,19 @@
 
 - `build_model(cfg, train_dataset)` returns the `nn.Module` to train (the trainer moves it to the device and
   wraps it in DDP; snapshots and exports hold its own `state_dict`, without a `module.` prefix).
-- `loss_fn(outputs, targets)` returns the mean loss of a batch.
+- `loss_fn(outputs, targets)` returns the mean loss of a batch of `(inputs, target)` items.
 - `val_metrics(outputs, targets)` (optional) returns per-batch SUMS, e.g. `{"correct": ...}`: the trainer adds
   them up over every validation sample on every rank and logs each divided by the number of samples, as
   `val_<name>`. Delete it if you only want `val_loss`.
 - `shard_units(model)` (optional, used with `--strategy fsdp`) returns the submodules to shard one by one: each
   gathers its full parameters only while it runs, so the fewer parameters one unit holds, the less memory a rank
-  needs (typically: each transformer block). Without it, each direct child that has parameters is one unit.
+  needs (typically: each transformer block). Without it, each direct child that has parameters is one unit, and
+  a container without forward (`nn.ModuleList`) gives its children.
+
+Other shapes of training need no other file: `compute_loss(model, batch)` for dict batches and losses the model
+computes (token-weighted with `{"loss": SUM, "count": N}`), `build_optimizer(cfg, model)` and
+`build_scheduler(cfg, optimizer, total_steps)` for your own. machinery/hooks.py lists every hook and its default;
+the README has recipes (a GPT on token windows, a Hugging Face-style LM, a stream, optimizer groups).
 """
 
 import torch

@@ -25,6 +25,11 @@ from .distributed import DistEnv
 from .settings import RunError, flag
 
 
+class StreamEnded(RuntimeError):
+    """This rank's share of the stream ended before the run did (other ranks may still have items: it is this
+    rank's error, logged with its rank)."""
+
+
 class RankShare(IterableDataset):
     """This rank's items of a stream, as whole batches from `skip_batches` on; a worker takes every W-th batch."""
 
@@ -80,7 +85,7 @@ class StreamBatches:
             try:
                 micro_batches.append(next(self._iterator))
             except StopIteration:
-                raise RunError(
+                raise StreamEnded(
                     f"the training stream ended on rank {self.env.rank} after {self.consumed} batches, before "
                     f"{flag('max_steps')} was reached: lower it, or make the stream longer (or endless)"
                 ) from None
