@@ -229,8 +229,8 @@ def test_awkward_text_bakes_into_valid_python_toml_and_json(tmp_path):
     assert meta["authors"] == [{"name": AWKWARD["author"]}]
     for path in (project / ".vscode").glob("*.json"):
         load_jsonc(path)
-    shown = run_in(project, "-c", "from awkward_project.machinery import baked; print(ascii(baked.PROJECT_NAME))").stdout
-    assert shown.strip() == ascii(AWKWARD["project_name"])
+    shown = run_in(project, "-c", "from awkward_project.machinery import baked; print(ascii(baked.PROJECT_NAME))")
+    assert shown.stdout.strip() == ascii(AWKWARD["project_name"])
     assert AWKWARD["project_name"] in (project / "README.md").read_text(encoding="utf-8")
     # setuptools validates the metadata while building the wheel.
     run_in(project, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "wheel"), ".")
@@ -289,8 +289,10 @@ def test_nproc_and_debug_port_reach_every_place_that_uses_them(tmp_path):
     assert "--nproc_per_node=4" in f5["args"]
     assert "6003" in (project / ".vscode" / "launch.json").read_text()
     assert "--nproc_per_node=4" in (project / "README.md").read_text()
-    shown = run_in(project, "-c", "from ddp_project.machinery import baked; print(baked.NPROC_PER_NODE, baked.DEBUG_PORT)").stdout
-    assert shown.split() == ["4", "6000"]
+    shown = run_in(
+        project, "-c", "from ddp_project.machinery import baked; print(baked.NPROC_PER_NODE, baked.DEBUG_PORT)"
+    )
+    assert shown.stdout.split() == ["4", "6000"]
 
 
 BAD = [

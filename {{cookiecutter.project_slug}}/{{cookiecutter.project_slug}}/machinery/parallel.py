@@ -68,7 +68,7 @@ class Parallel:
             return contextlib.nullcontext()
         return cast(DistributedDataParallel, self.wrapped).no_sync()
 
-    def settle_bucket_order(self, batch: Any, optimizer: torch.optim.Optimizer) -> None:
+    def settle_bucket_order(self, batch: Any) -> None:
         """Give a resumed job's fresh DDP the gradient buckets an uninterrupted job has by now; once, before the
         first resumed step (a no-op otherwise).
 
@@ -87,7 +87,8 @@ class Parallel:
         with self.autocast():
             result = self.user.step(self.wrapped, batch)
         result.loss.backward()
-        optimizer.zero_grad(set_to_none=True)
+        for parameter in self.model.parameters():  # every parameter's, not only those the optimizer holds
+            parameter.grad = None
         self.wrapped.train()
         restore_rng(rng_state)
 

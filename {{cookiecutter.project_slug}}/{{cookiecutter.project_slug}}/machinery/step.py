@@ -54,7 +54,7 @@ class Stepper:
         if parallel.sharded:  # as DDP does at each forward: every rank trains with rank 0's buffers
             distributed.broadcast_buffers(self.env, parallel.model)
         micro_batches = [to_device(batch, self.env.device) for batch in micro_batches]
-        parallel.settle_bucket_order(micro_batches[0], self.optimizer)  # a resumed ddp job, once: see there
+        parallel.settle_bucket_order(micro_batches[0])  # a resumed ddp job, once: see there
         step_loss = torch.zeros((), device=self.env.device)
         sums = torch.zeros(2, dtype=torch.float64, device=self.env.device)  # token-weighted: loss sum, count
         token_weighted = None
