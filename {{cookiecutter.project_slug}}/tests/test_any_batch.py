@@ -102,7 +102,8 @@ def test_steps_of_a_stream_resume_from_their_state_and_its_end_is_an_error():
 
 
 def weighted_step(rank, world_size, store_path, results):
-    """One step of the trainer's Stepper on a 2-rank gloo group: rank r's batch has r+1 tokens of weight."""
+    """One step of the trainer's Stepper on a 2-rank gloo group, as the first step of a resumed job: rank r's batch
+    has 2 + 5r tokens."""
     import torch.distributed as dist
 
     from {{ cookiecutter.project_slug }}.machinery import parallel, step
@@ -116,8 +117,8 @@ def weighted_step(rank, world_size, store_path, results):
         user = types.SimpleNamespace(step=lambda m, b: token_sum(m, b), shard_units=None)
         cfg = types.SimpleNamespace(strategy="ddp", amp="off", compile=False, clip_grad=0.0)
         wrapped = parallel.Parallel(model, cfg, env, user)
-        wrapped.wrap(resumed=False)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        wrapped.wrap(resumed=True)  # a resumed job: one settling pass runs first, its gradients thrown away
+        optimizer = torch.optim.SGD([model.weight], lr=1.0)  # the bias is not the optimizer's: still cleared
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
         stepper = step.Stepper(
             wrapped, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False), user, cfg, env, Progress()

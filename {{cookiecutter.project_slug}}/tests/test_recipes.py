@@ -42,9 +42,9 @@ def test_a_recipe_trains_and_evaluates(tmp_path, name):
     shutil.copy(ROOT / "train.py", workspace / "train.py")
     for file, source in RECIPES[name].items():
         (workspace / PACKAGE / file).write_text(source, encoding="utf-8")
-    args = QUICK + ["--max-steps", "6", "--batch-size", "4", "--eval-every", "3", "--snapshot-every", "3"]
+    args = QUICK + ["--max-steps", "4", "--batch-size", "4", "--eval-every", "0", "--snapshot-every", "2"]
     cmd = train_cmd(script=str(workspace / "train.py")) + args + outputs(tmp_path)
     run(cmd, env=child_env(PYTHONPATH=workspace), cwd=workspace)
     result = summary(tmp_path)
-    assert result["steps"] == 6 and result["val_loss"] is not None and result["val_loss"] > 0
+    assert result["steps"] == 4 and result["val_loss"] is not None and result["val_loss"] > 0
     assert (tmp_path / "run-export" / "model.pt").is_file()
