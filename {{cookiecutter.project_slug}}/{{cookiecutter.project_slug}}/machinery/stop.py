@@ -73,16 +73,19 @@ class StopRequest:
         self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
         return self.stopped
 
-    def close(self) -> None:
+    def close(self, restore_handlers: bool = True) -> None:
         if self._pending is not None:
             self._pending.wait()  # every rank started the same number of these: finish the last one everywhere
             self._pending = None
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
-        self._previous = {}
+        if restore_handlers:
+            for signum, previous in self._previous.items():
+                signal.signal(signum, previous)
+            self._previous = {}
 
     def __enter__(self) -> "StopRequest":
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, kind, *exc_info) -> None:
+        # A rank leaving on an error keeps the flag-only handlers while it logs the error and tears down: torchrun
+        # sends SIGTERM to every worker once one has died, and the default action would end this one mid-log.
+        self.close(restore_handlers=kind is None)
