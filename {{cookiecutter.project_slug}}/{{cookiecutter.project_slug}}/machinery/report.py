@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from .distributed import DistEnv
 from .settings import flag, to_toml
-from .snapshot import MANIFEST, write_atomic
+from .snapshot import SnapshotError, read_manifest, write_atomic
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -73,11 +73,10 @@ def write_summary(summary: Summary, export_dir: str) -> None:
 
 
 def snapshot_size(step_folder: str) -> int:
-    """The bytes of a committed snapshot's files, as its manifest lists them (0 when there is none)."""
+    """The bytes of a committed snapshot's files, as its checked manifest lists them (0 when there is none)."""
     try:
-        with open(os.path.join(step_folder, MANIFEST), encoding="utf-8") as handle:
-            return sum(int(entry["size"]) for entry in json.load(handle)["files"].values())
-    except (OSError, ValueError, KeyError, TypeError):
+        return sum(entry["size"] for entry in read_manifest(step_folder)["files"].values())
+    except SnapshotError:
         return 0
 
 
