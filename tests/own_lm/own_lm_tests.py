@@ -3,7 +3,7 @@
 The template tests copy this file, as tests/test_own_lm.py (its name here keeps the template's own pytest from
 collecting it outside a bake), into a bake whose model.py and data.py are tests/own_lm's (dict batches padded by
 the user's `collate`, a token-weighted `compute_loss`, an IterableDataset without `len()`, the user's optimizer
-groups and schedule, blocks in an nn.ModuleList) and run it there. Four launches in all: an uninterrupted 3-rank
+groups and schedule, blocks in an nn.ModuleList) and run it there. Four launches in all: an uninterrupted 2-rank
 run and one SIGKILLed at a random rank and moment serve every ddp test below; the fsdp test has its own pair.
 """
 
@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 user_model = importlib.import_module(f"{PACKAGE}.model")
 user_data = importlib.import_module(f"{PACKAGE}.data")
 
-STEPS, BATCH, RANKS, WEIGHT_DECAY = 60, 8, 3, 0.1
+STEPS, BATCH, RANKS, WEIGHT_DECAY = 60, 8, 2, 0.1
 # A nonzero weight decay: a resume that gave the no-decay group --weight-decay would change the weights' bits.
 ARGS = EXACT + ["--max-steps", str(STEPS), "--batch-size", str(BATCH), "--eval-every", "20"]
 ARGS += ["--weight-decay", str(WEIGHT_DECAY)]
@@ -40,7 +40,7 @@ KILL_AFTER = (11, 20)
 
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory):
-    """(folder, summary of the restarted run): an uninterrupted 3-rank run ("reference"), then one whose random
+    """(folder, summary of the restarted run): an uninterrupted 2-rank run ("reference"), then one whose random
     rank is SIGKILLed at a random moment and restarted by torchrun ("run"). Both record the ids of every training
     batch, in order, one file per rank: the reference's lines first, then each attempt's (told apart by pid)."""
     tmp_path = tmp_path_factory.mktemp("own-lm")
@@ -104,7 +104,7 @@ def test_each_rank_trains_on_its_exact_share_of_the_stream_and_a_restart_neither
 
 @pytest.mark.slow
 def test_token_weighted_val_loss_of_3_ranks_equals_one_process_over_the_whole_val_set(killed_run):
-    """53 validation sequences of 6 to 16 tokens over 3 ranks: the loss is the sum over every next-token target
+    """53 validation sequences of 6 to 16 tokens over 2 ranks: the loss is the sum over every next-token target
     over their count, not a mean of per-rank or per-batch means."""
     tmp_path, _ = killed_run
     net = fresh_model()
