@@ -128,8 +128,9 @@ class SkipLoader:
 
 
 class TorchdataLoader:
-    """The torchdata variant (RankShare in a StatefulDataLoader, bench/stream_torchdata.py), or, with wrap=False, a StatefulDataLoader on its own
-    over SkipShare: what torchdata does for a dataset without state (re-yield the batches and drop them)."""
+    """The torchdata variant (RankShare in a StatefulDataLoader, bench/stream_torchdata.py), or, with wrap=False,
+    a StatefulDataLoader on its own over SkipShare: what torchdata does for a dataset without state (re-yield the
+    batches and drop them)."""
 
     def __init__(self, make, num_workers, persistent=False, wrap=True, state=None):
         if wrap:
