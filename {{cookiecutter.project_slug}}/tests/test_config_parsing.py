@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 
 import pytest
-from conftest import ROOT
+from conftest import QUICK, ROOT, outputs, run, train_cmd
 
 sys.path.insert(0, str(ROOT))
 
@@ -123,6 +123,8 @@ def test_unsupported_field_types_are_refused_when_the_parser_is_built():
         (["--dist-timeout", "0"], "--dist-timeout"),
         (["--dist-timeout", str(8 * 24 * 3600)], "--dist-timeout"),
         (["--eval-every", "-1"], "--eval-every"),
+        (["--epochs", str(2**63)], "--epochs"),  # no upper bound: only the 64-bit rule stops these
+        (["--max-steps", "9" * 400], "--max-steps"),
     ],
 )
 def test_values_outside_a_fields_constraints_are_refused(capsys, argv, flag):
@@ -143,6 +145,7 @@ def test_values_outside_a_fields_constraints_are_refused(capsys, argv, flag):
         ["--eval-every", "0"],
         ["--resume", "never"],
         ["--dist-timeout", str(7 * 24 * 3600)],
+        ["--max-steps", str(2**63 - 1)],
     ],
 )
 def test_values_on_a_bound_that_allows_them_are_accepted(argv):
@@ -202,6 +205,31 @@ def test_bad_config_files_are_refused_naming_the_key_and_the_file(tmp_path, caps
     assert path in error
     for name in names:
         assert name in error
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"lr = " + b"1" * 400 + b"\n",  # an integer no float holds
+        b"epochs = " + b"1" * 400 + b"\n",  # an integer no int64 holds
+        b"seed = " + b"1" * 5000 + b"\n",  # more digits than Python converts
+        b'lr = 0.1\nlog_file = "\xff\xfe"\n',  # not UTF-8
+        b'log_file = "run\\u0000.log"\n',  # a NUL in a path
+        b"lr = " + b"[" * 5000 + b"]" * 5000 + b"\n",  # nested deeper than Python recurses
+        b"# a comment\n" * 100_000,  # valid TOML, but more than a settings file holds (also: /dev/zero)
+    ],
+    ids=["float-400-digits", "int-400-digits", "int-5000-digits", "not-utf8", "nul", "nested", "over-1-MiB"],
+)
+def test_any_bytes_in_a_config_file_are_one_line_from_train_py(tmp_path, data):
+    """train.py refuses the file before training: exit code 2, one error line naming --config and the file."""
+    path = tmp_path / "run.toml"
+    path.write_bytes(data)
+    result = run(train_cmd() + ["--config", str(path)] + QUICK + outputs(tmp_path), check=False, timeout=60)
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert "Traceback" not in result.stdout
+    errors = [line for line in result.stdout.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"--config {path}" in errors[0], result.stdout[-3000:]
+    assert not any(tmp_path.glob("run-*")) and not (tmp_path / "run.log").exists()  # nothing trained or written
 
 
 def test_missing_config_file_is_refused(tmp_path, capsys):

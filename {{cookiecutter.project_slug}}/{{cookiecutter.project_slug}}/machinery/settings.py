@@ -29,6 +29,8 @@ except ModuleNotFoundError:  # Python 3.10
 
 NONE_WORDS = ("", "none")  # what an optional field reads as None, on the command line and in a config file
 COMPARISONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+INT_LIMIT = 2**63  # an integer setting lies in [-INT_LIMIT, INT_LIMIT): what torch and numpy integers hold
+MAX_CONFIG_BYTES = 1 << 20  # a settings file is small: a larger one (or /dev/zero) is not one
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class Rules:
         if value is None:
             return None
         if self.choices is not None and value not in self.choices:
-            return f"must be one of {', '.join(map(str, self.choices))}, got {value!r}"
+            return f"must be one of {', '.join(map(str, self.choices))}, got {shown(value)}"
         if self.nonempty and value == "":
             return "must not be empty"
         if isinstance(value, float) and self.finite and not math.isfinite(value):
@@ -60,10 +62,23 @@ class Rules:
             if bound is not None
         ]
         if all(COMPARISONS[sign](value, bound) for sign, bound in bounds):  # nan fails every comparison
+            if type(value) is int and not -INT_LIMIT <= value < INT_LIMIT:
+                return f"must be an integer of at most 64 bits, got {shown(value)}"
             return None
         allowed = " and ".join(f"{sign} {bound}" for sign, bound in bounds)
         why = f" ({self.reason})" if self.reason else ""
-        return f"must be {allowed}{why}, got {value}"
+        return f"must be {allowed}{why}, got {shown(value, quote=False)}"
+
+
+def shown(value: Any, quote: bool = True, limit: int = 60) -> str:
+    """`value` for a one-line message: its repr (or str, for numbers with quote=False), cut short when long."""
+    try:
+        text = repr(value) if quote or isinstance(value, str) else str(value)
+    except ValueError:  # an integer of more digits than Python converts to text
+        return f"an integer of {value.bit_length()} bits"
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit // 2]}...{text[-10:]} ({len(text)} characters)"
 
 
 class RunError(Exception):
@@ -198,24 +213,48 @@ def _from_toml(setting: Setting, value: Any) -> Any:
     if setting.optional and isinstance(value, str) and value.strip().lower() in NONE_WORDS:
         return None
     if setting.type is float and type(value) is int:
-        return float(value)  # `lr = 1` means 1.0
+        try:
+            return float(value)  # `lr = 1` means 1.0
+        except OverflowError:
+            raise ValueError(f"must be a number, got an integer too large for a float ({shown(value)})") from None
     if type(value) is setting.type:  # exact: TOML true is not an integer
+        if type(value) is str and "\0" in value:
+            raise ValueError(f"must not hold a NUL character (\\u0000), got {shown(value)}")
         return value
     raise ValueError(
         f"must be {TYPE_WORDS[setting.type]}{' or none' if setting.optional else ''}, "
-        f"got {_toml_kind(value)} ({value!r})"
+        f"got {_toml_kind(value)} ({shown(value)})"
     )
 
 
 def read_config_file(path: str, config_cls: type) -> dict[str, Any]:
-    """The settings a TOML file sets, by field name; ValueError with one line naming the file on any problem."""
+    """The settings a TOML file sets, by field name; ValueError with one line naming the file on any problem.
+
+    Whatever the file holds (any bytes, any size, values of any type or magnitude), the answer is a dict or that
+    ValueError: never another exception.
+    """
     try:
         with open(path, "rb") as handle:
-            table = tomllib.load(handle)
+            data = handle.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ValueError(f"--config {path}: cannot read it: {exc.strerror or exc}") from exc
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ValueError(f"--config {path}: larger than {MAX_CONFIG_BYTES >> 20} MiB, so not a settings file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ValueError(
+            f"--config {path}: not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line}); TOML files are UTF-8"
+        ) from None
+    try:
+        table = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"--config {path}: not valid TOML: {exc}") from exc
+        raise ValueError(f"--config {path}: not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"--config {path}: not a settings file: arrays or tables nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts
+        raise ValueError(f"--config {path}: not a settings file: {exc}") from None
     by_name = {setting.name: setting for setting in settings(config_cls)}
     values: dict[str, Any] = {}
     for key, value in table.items():
@@ -223,13 +262,13 @@ def read_config_file(path: str, config_cls: type) -> dict[str, Any]:
         if name not in by_name:
             close = difflib.get_close_matches(name, by_name, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"--config {path}: unknown setting {key!r}{hint}")
+            raise ValueError(f"--config {path}: unknown setting {shown(key)}{hint}")
         if name in values:
             raise ValueError(f"--config {path}: {name!r} is set twice")
         try:
             values[name] = _from_toml(by_name[name], value)
         except ValueError as exc:
-            raise ValueError(f"--config {path}: {key!r} {exc}") from None
+            raise ValueError(f"--config {path}: {shown(key)} {exc}") from None
     return values
 
 
@@ -264,7 +303,9 @@ def parse_args(argv: Sequence[str] | None, config_cls: type[SettingsT]) -> Setti
             in_file = setting.name in from_file and (
                 from_file[setting.name] is value or from_file[setting.name] == value
             )
-            parser.error(f"{flag(setting.name)} {problem}" + (f" (set by {setting.name} in {path})" if in_file else ""))
+            parser.error(
+                f"{flag(setting.name)} {problem}" + (f" (set by {setting.name} in --config {path})" if in_file else "")
+            )
     return cfg
 
 
