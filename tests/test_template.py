@@ -147,6 +147,7 @@ def test_defaults_bake_a_project_that_passes_the_quick_part_of_its_tests(tmp_pat
         "pyproject.toml",
         "README.md",
         ".vscode/launch.json",
+        "notebooks/train.ipynb",
         "ddp_project/machinery/snapshot/__init__.py",
         "tests/conftest.py",
     ]:

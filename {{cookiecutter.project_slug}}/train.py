@@ -66,9 +66,12 @@ def run(cfg: config.Config) -> Summary:
     except config.RunError as exc:
         # Every rank meets the same problem: rank 0 says it, in one line, and each rank exits with code 2.
         log.log(logging.ERROR if env.is_main else logging.DEBUG, "%s", exc)
+        if env.is_main:
+            record_cause(exc)
         raise SystemExit(2) from None
     except (SnapshotError, StreamEnded) as exc:  # this rank's own (a failed save, its stream's end): one line, tagged
         log.error("%s", exc)
+        record_cause(exc)
         raise SystemExit(2) from None
     except SystemExit:
         raise
@@ -83,6 +86,14 @@ def run(cfg: config.Config) -> Summary:
     if summary.stop_signal:
         sys.exit(128 + summary.stop_signal)  # stopped early (preempted): not a success, so schedulers re-run it
     return summary
+
+
+def record_cause(exc: BaseException) -> None:
+    """Give torchrun (and launch()) the one-line cause of an exit with code 2, as record() does for a traceback."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(exc)
 
 
 if __name__ == "__main__":

@@ -7,4 +7,5 @@ Yours to edit (the seam: machinery/hooks.py lists every hook these may define):
 
 The template's machinery, edited only if you mean to:
     machinery/      training loop, snapshots (machinery/snapshot: load_latest), logging, debugging, tracking
+    launch.py       launch(): train from a notebook or a script without torchrun (the door to machinery/launcher.py)
 """

@@ -16,6 +16,7 @@ Your rooms are one level up: model.py, data.py and config.py (the seam: machiner
     stop.py         SIGTERM and Ctrl-C: stop every rank at the same step, with a snapshot
     settings.py     the settings dataclass <-> command line and TOML
     distributed.py  the torchrun environment, process group, device and teardown
+    launcher.py     launch(): torchrun's elastic agent started from Python (notebooks, scripts), output in the caller
     logs.py         rank-aware logging (one clean console, every rank's warnings)
     tracking.py     experiment tracking (wandb on rank 0, the metrics file), the run id
     joblock.py      one job per snapshot folder

@@ -1,0 +1,258 @@
+"""launch(): train from a notebook or a script on this machine's ranks, with torchrun's behaviour and no torchrun.
+
+    from {{ cookiecutter.project_slug }}.launch import launch
+
+    summary = launch(nproc_per_node=2, args=["--max-steps", "200"], max_restarts=2)
+
+It runs the same thing torchrun runs, through torch's own elastic launcher (`torch.distributed.launcher.api`): an
+agent in the calling process starts `train.py` in N fresh interpreters, restarts all of them from the newest snapshot
+when one dies (up to `max_restarts` times, with the per-attempt store of distributed.py), and stops them on a signal.
+What it adds for a notebook:
+- The ranks' output is shown in the caller's own sys.stdout/sys.stderr (the cell's output) as it comes: rank 0's
+  INFO lines once, the other ranks' warnings and errors tagged with their rank.
+- A failure comes back as one exception whose message is the cause in one line: `RunError` for a setting refused
+  (also checked here before any rank starts), `TrainingFailed` for a rank that failed every attempt.
+- Interrupting the caller (the notebook's stop button, Ctrl-C) stops every rank at the same step with a snapshot,
+  then raises KeyboardInterrupt; launching again resumes.
+- It returns rank 0's run summary (the keys of `<export-dir>/summary.json`) as a dict.
+
+The workers are fresh interpreters, as under torchrun: CUDA initialised in the caller, functions defined in a
+notebook and scripts without an `if __name__ == "__main__":` guard do not matter to them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shlex
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from .settings import RunError
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # train.py sits beside the package
+
+
+class TrainingFailed(RuntimeError):
+    """A rank failed on every attempt. `rank`, `exitcode` and `cause` (one line) say which and why."""
+
+    def __init__(self, cause: str, rank: int, exitcode: int):
+        super().__init__(f"{cause} (rank {rank}, exit code {exitcode})")
+        self.cause, self.rank, self.exitcode = cause, rank, exitcode
+
+
+def launch(
+    nproc_per_node: int = 1,
+    args: Sequence[Any] | str = (),
+    max_restarts: int = 0,
+    *,
+    log_dir: str | None = None,
+) -> dict[str, Any] | None:
+    """Train with `train.py`'s flags `args` in `nproc_per_node` ranks on this machine; return rank 0's summary.
+
+    `max_restarts`: how often a failed job restarts from its newest snapshot (torchrun's --max-restarts).
+    `log_dir`: keep every rank's full output there (`<log_dir>/<job>/attempt_<n>/<rank>/std{out,err}.log`);
+    by default it goes to a temporary folder, removed at the end, after it was shown.
+    Returns None when `args` asked for --help.
+    """
+    argv = shlex.split(args) if isinstance(args, str) else [str(arg) for arg in args]
+    if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
+        raise RunError(f"nproc_per_node must be a whole number >= 1, got {nproc_per_node!r}")
+    if not isinstance(max_restarts, int) or max_restarts < 0:
+        raise RunError(f"max_restarts must be a whole number >= 0, got {max_restarts!r}")
+    cfg = _parse(argv)
+    if cfg is None:
+        return None
+    script = PROJECT_ROOT / "train.py"
+    if not script.is_file():
+        raise RunError(f"launch() runs {script}, which does not exist (is the project installed without its files?)")
+    _check_devices(cfg.backend, nproc_per_node)
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    logs = log_dir or tempfile.mkdtemp(prefix="launch-")
+    config = LaunchConfig(  # what `torchrun --standalone` sets up
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc_per_node,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        logs_specs=DefaultLogsSpecs(log_dir=logs, redirects=Std.ALL, tee=Std.NONE),
+    )
+    started = time.time()
+    environment = {"OMP_NUM_THREADS": "1"} if nproc_per_node > 1 else {}  # as torchrun does
+    try:
+        with _kept_signal_handlers(), _environment(environment), _shown(logs):
+            elastic_launch(config, sys.executable)("-u", str(script), *argv)
+    except SignalException as exc:  # the agent stopped every rank (each saved a snapshot first)
+        if exc.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise
+    except ChildFailedError as exc:
+        rank, exitcode, cause = _cause(exc)
+        if cause.startswith(f"{RunError.__name__}: "):  # a setting refused by the ranks: the same error as here
+            raise RunError(cause.split(": ", 1)[1]) from None
+        raise TrainingFailed(cause, rank, exitcode) from None
+    finally:
+        if log_dir is None:
+            shutil.rmtree(logs, ignore_errors=True)
+    return _summary(Path(cfg.export_dir), started)
+
+
+def _parse(argv: list[str]) -> Any:
+    """The settings, or RunError with the one line train.py would print; None for --help (shown here)."""
+    from .. import config
+
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            return config.parse_args(argv)
+    except SystemExit as exc:
+        if not exc.code:
+            print(out.getvalue(), end="")
+            return None
+        lines = [line for line in err.getvalue().splitlines() if line.strip()]
+        message = lines[-1] if lines else f"bad arguments {argv}"
+        raise RunError(message.split(": error: ", 1)[-1]) from None
+
+
+def _check_devices(backend: str, nproc: int) -> None:
+    """nccl puts one rank on one GPU: refuse more ranks than GPUs here, before any rank starts."""
+    import torch
+
+    from .distributed import resolve_backend
+
+    if resolve_backend(backend) == "nccl" and nproc > torch.cuda.device_count():
+        raise RunError(
+            f"nproc_per_node={nproc} with nccl needs {nproc} GPUs, this machine has {torch.cuda.device_count()}; "
+            "use fewer ranks, or args=['--backend', 'gloo'] to train on CPU"
+        )
+
+
+@contextlib.contextmanager
+def _kept_signal_handlers() -> Iterator[None]:
+    """The agent installs its own SIGINT/SIGTERM/... handlers; give the caller (a notebook kernel) its own back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # the agent's defaults
+    kept = {signum: signal.getsignal(signum) for signum in handled}
+    try:
+        yield
+    finally:
+        for signum, handler in kept.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Set what the workers should inherit (unless the caller set it), and what the agent sets, back afterwards."""
+    kept: dict[str, str | None] = {name: os.environ.get(name) for name in [*values, "TORCHELASTIC_SIGNALS_TO_HANDLE"]}
+    for name, value in values.items():
+        os.environ.setdefault(name, value)
+    try:
+        yield
+    finally:
+        for name, before in kept.items():
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
+
+
+@contextlib.contextmanager
+def _shown(log_dir: str) -> Iterator[None]:
+    """Copy every rank's output files, as they grow, to the caller's sys.stdout and sys.stderr, whole lines only.
+
+    Rank 0 logs INFO and up, the other ranks only their warnings and errors (logs.py), so this shows each
+    record once.
+    """
+    done = threading.Event()
+    offsets: dict[Path, int] = {}
+    partial: dict[Path, bytes] = {}
+
+    def copy(final: bool = False) -> None:
+        for path in sorted(Path(log_dir).glob("*/attempt_*/*/std*.log")):
+            try:
+                with open(path, "rb") as handle:
+                    handle.seek(offsets.get(path, 0))
+                    data = handle.read()
+            except OSError:
+                continue
+            offsets[path] = offsets.get(path, 0) + len(data)
+            data = partial.pop(path, b"") + data
+            whole, _, rest = data.rpartition(b"\n")
+            if final:
+                whole, rest = data, b""
+            if rest:
+                partial[path] = rest
+            if whole:
+                stream = sys.stdout if path.name == "stdout.log" else sys.stderr
+                text = whole.decode("utf-8", errors="replace")
+                stream.write(text if text.endswith("\n") else text + "\n")
+                stream.flush()
+
+    def follow() -> None:
+        while not done.wait(0.1):
+            copy()
+
+    thread = threading.Thread(target=follow, name="launch-output", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        copy(final=True)
+
+
+def _cause(exc: Any) -> tuple[int, int, str]:
+    """(rank, exit code, one line) of the failure that explains the others.
+
+    A rank that failed on its own records its error (record() in train.py, also for a refused setting); ranks
+    stopped because of it, and ranks killed by a signal, record none. The earliest recorded error wins; a signal
+    otherwise.
+    """
+    recorded = {rank: _message(f) for rank, f in exc.failures.items() if f.error_file_data.get("message")}
+    if recorded:
+        rank = min(recorded, key=lambda r: (exc.failures[r].timestamp, r))
+        return rank, exc.failures[rank].exitcode, recorded[rank]
+    rank, failure = exc.get_first_failure()
+    if failure.exitcode < 0:
+        return rank, failure.exitcode, f"killed by {failure.signal_name()}"
+    return rank, failure.exitcode, "failed without recording an error (its output above says why)"
+
+
+def _message(failure: Any) -> str:
+    message = failure.message
+    if isinstance(message, dict):  # record()'s layout: {"message": "Kind: text", "extraInfo": {...}}
+        message = message.get("message", "")
+    lines = str(message).strip().splitlines()
+    return lines[0] if lines else "failed"
+
+
+def _summary(export_dir: Path, started: float) -> dict[str, Any]:
+    path = export_dir / "summary.json"
+    try:
+        if path.stat().st_mtime < started - 1:
+            raise TrainingFailed(f"{path} is older than this launch: rank 0 wrote no summary", 0, 0)
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TrainingFailed(f"the run finished but its summary {path} cannot be read: {exc}", 0, 0) from None
