@@ -23,7 +23,7 @@ import importlib
 import inspect
 import logging
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,11 +122,7 @@ class UserCode:
         mean = self.loss_fn(outputs, targets)
         sums = {}
         if self.val_metrics is not None and not model.training:
-            sums = dict(self.val_metrics(outputs, targets))
-            if "loss" in sums:
-                raise RunError(
-                    "val_metrics in model.py returns 'loss': that name is val_loss's (from loss_fn); rename it"
-                )
+            sums = _sums(self.val_metrics(outputs, targets))
         return StepResult(loss=mean, count=count, sums=sums, is_sum=False)
 
 
@@ -155,6 +151,28 @@ def _as_result(value: Any, batch: Any) -> StepResult:
         f"compute_loss in model.py returned a {type(value).__name__}: return a scalar tensor (the batch's mean "
         "loss) or a dict with 'loss' (a SUM) and 'count' (what it sums over)"
     )
+
+
+def _sums(value: Any) -> dict[str, torch.Tensor]:
+    """val_metrics' answer as {name: scalar tensor}; one line naming val_metrics and the key otherwise."""
+    if not isinstance(value, Mapping):
+        raise RunError(f"val_metrics in model.py returned a {type(value).__name__}: return a dict of per-batch SUMS")
+    if "loss" in value:
+        raise RunError("val_metrics in model.py returns 'loss': that name is val_loss's (from loss_fn); rename it")
+    sums = {}
+    for name, total in value.items():
+        try:
+            tensor = torch.as_tensor(total)
+        except (TypeError, ValueError, RuntimeError):
+            tensor = None
+        if tensor is None or tensor.numel() != 1 or tensor.is_complex():
+            what = f"of shape {tuple(tensor.shape)}" if tensor is not None else f"as a {type(total).__name__}"
+            raise RunError(
+                f"val_metrics in model.py returned {name!r} {what}: each value must be one real number, the batch's "
+                "SUM (e.g. correct.sum())"
+            )
+        sums[str(name)] = tensor.reshape(())
+    return sums
 
 
 def _batch_size(batch: Any) -> int:
