@@ -10,10 +10,12 @@ The metrics file is what train.py writes on rank 0 (`--metrics-file`): one JSON 
 
 import argparse
 import json
+import logging
 import math
 import sys
 from pathlib import Path
 
+log = logging.getLogger(__name__)
 DEFAULT_METRICS = "logs/metrics.jsonl"
 DEFAULT_OUT = "logs/loss.png"
 CURVES = (("loss", "train loss"), ("val_loss", "validation loss"))
@@ -22,18 +24,25 @@ CURVES = (("loss", "train loss"), ("val_loss", "validation loss"))
 def read_metrics(path: str | Path) -> list[dict]:
     """The records of a metrics file in step order, one per step.
 
-    Lines that do not parse are skipped: a job killed mid-write leaves a partial last line. A step logged twice
-    (the steps a resumed run redoes after its last snapshot) keeps its newest record.
+    Lines that do not parse are skipped: a job killed mid-write leaves a partial last line, and any other line that
+    is no record (not UTF-8, not a JSON object with a step) is counted in one warning. A step logged twice (the
+    steps a resumed run redoes after its last snapshot) keeps its newest record.
     """
     by_step: dict[int, dict] = {}
-    with open(path, encoding="utf-8") as lines:
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and isinstance(record.get("step"), int):
-                by_step[record["step"]] = record
+    lines = Path(path).read_bytes().split(b"\n")
+    skipped = 0
+    for number, line in enumerate(lines):
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+            record = None
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool):
+            by_step[step] = record
+        elif line.strip() and number < len(lines) - 1:  # not the partial last line a crash leaves
+            skipped += 1
+    if skipped:
+        log.warning("%s: skipped %d line(s) that are not metrics records", path, skipped)
     return [by_step[step] for step in sorted(by_step)]
 
 
@@ -41,14 +50,21 @@ def curves(records: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
     """{metric: (steps, values)} for each loss curve present in the records; non-finite values left out."""
     found = {}
     for name, _ in CURVES:
-        points = [
-            (r["step"], float(r[name]))
-            for r in records
-            if isinstance(r.get(name), (int, float)) and math.isfinite(r[name])
-        ]
+        points = [(r["step"], value) for r in records if (value := _number(r.get(name))) is not None]
         if points:
             found[name] = ([step for step, _ in points], [value for _, value in points])
     return found
+
+
+def _number(value) -> float | None:
+    """A finite JSON number as a float; None for anything else (null, text, a bool, an integer too large)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def draw(lines: dict[str, tuple[list[int], list[float]]], out: str | Path, title: str = "") -> Path:
