@@ -98,7 +98,7 @@ def launch(
     started = time.time()
     environment = {"OMP_NUM_THREADS": "1"} if nproc_per_node > 1 else {}  # as torchrun does
     try:
-        with _kept_signal_handlers(), _environment(environment), _shown(logs):
+        with _kept_signal_handlers(), _environment(environment), _shown(logs, config.run_id):
             elastic_launch(config, sys.executable)("-u", str(script), *argv)
     except SignalException as exc:  # the agent stopped every rank (each saved a snapshot first)
         if exc.sigval == signal.SIGINT:
@@ -178,7 +178,7 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _shown(log_dir: str) -> Iterator[None]:
+def _shown(log_dir: str, job: str) -> Iterator[None]:
     """Copy every rank's output files, as they grow, to the caller's sys.stdout and sys.stderr, whole lines only.
 
     Rank 0 logs INFO and up, the other ranks only their warnings and errors (logs.py), so this shows each
@@ -189,7 +189,7 @@ def _shown(log_dir: str) -> Iterator[None]:
     partial: dict[Path, bytes] = {}
 
     def copy(final: bool = False) -> None:
-        for path in sorted(Path(log_dir).glob("*/attempt_*/*/std*.log")):
+        for path in sorted(Path(log_dir).glob(f"{job}_*/attempt_*/*/std*.log")):
             try:
                 with open(path, "rb") as handle:
                     handle.seek(offsets.get(path, 0))
@@ -227,16 +227,20 @@ def _cause(exc: Any) -> tuple[int, int, str]:
     """(rank, exit code, one line) of the failure that explains the others.
 
     A rank that failed on its own records its error (record() in train.py, also for a refused setting); ranks
-    stopped because of it, and ranks killed by a signal, record none. The earliest recorded error wins; a signal
-    otherwise.
+    stopped because of it, and ranks killed by a signal, record none. The earliest recorded error wins, then a
+    rank killed by a signal.
     """
-    recorded = {rank: _message(f) for rank, f in exc.failures.items() if f.error_file_data.get("message")}
+    recorded = {rank: _message(f) for rank, f in exc.failures.items() if os.path.isfile(f.error_file)}
     if recorded:
         rank = min(recorded, key=lambda r: (exc.failures[r].timestamp, r))
         return rank, exc.failures[rank].exitcode, recorded[rank]
+    killed = {rank: f for rank, f in exc.failures.items() if f.exitcode < 0}
+    if any(f.exitcode != -signal.SIGTERM for f in killed.values()):  # SIGTERM: how the agent stops the survivors
+        killed = {rank: f for rank, f in killed.items() if f.exitcode != -signal.SIGTERM}
+    if killed:
+        rank = min(killed, key=lambda r: (killed[r].timestamp, r))
+        return rank, killed[rank].exitcode, f"killed by {killed[rank].signal_name()}"
     rank, failure = exc.get_first_failure()
-    if failure.exitcode < 0:
-        return rank, failure.exitcode, f"killed by {failure.signal_name()}"
     return rank, failure.exitcode, "failed without recording an error (its output above says why)"
 
 
