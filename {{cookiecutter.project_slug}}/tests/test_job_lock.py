@@ -7,12 +7,15 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
-from conftest import ROOT, child_env, outputs, start, train_cmd, wait_for, worker_pids
+from conftest import QUICK, ROOT, child_env, outputs, run, start, train_cmd, wait_for, worker_pids
 
 sys.path.insert(0, str(ROOT))
 
@@ -219,6 +222,166 @@ def test_a_lock_that_is_a_folder_is_one_clear_error(tmp_path):
     (folder / joblock.LOCK_FILE).mkdir(parents=True)
     with pytest.raises(SnapshotError, match=f"{folder / joblock.LOCK_FILE} is a folder, not a job lock: delete it"):
         prepare(folder)
+
+
+# -- odd lock files, written by hand ------------------------------------------------------------------------------
+
+
+def dead_pid():
+    """The pid of a process of this machine that has exited (and been reaped)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def local_record(**changes):
+    """A lock record as a job on this machine writes it, with `changes`."""
+    now = time.time()
+    record = {
+        "host": socket.gethostname(),
+        "boot_id": joblock._boot_id(),
+        "pid": dead_pid(),
+        "pid_started": 1,
+        "job": "",
+        "started": now,
+        "heartbeat": now,
+        "owner": "e" * 16,
+    }
+    record.update(changes)
+    return {key: value for key, value in record.items() if value is not None}
+
+
+def write_lock(path, content, age=0.0):
+    """`content` (bytes as they are, or a record as JSON) into `path`, dated `age` seconds ago (< 0: ahead)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
+    when = time.time() - age
+    os.utime(path, (when, when))
+    return path
+
+
+@contextmanager
+def within(seconds):
+    """Fail instead of hanging when the block takes longer than `seconds` (a blocking open is interrupted)."""
+
+    def late(signum, frame):
+        raise AssertionError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, late)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def assert_taken(folder):
+    snapshots = prepare(folder)
+    assert lock_record(folder)["owner"] == snapshots._lock.owner
+    snapshots.close()
+    assert not (folder / joblock.LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize(
+    "guard",
+    [lambda: local_record(), lambda: b"\xff\x00 half a record"],
+    ids=["its-job-died", "damaged"],
+)
+def test_a_takeover_guard_left_by_a_dead_job_is_cleared_at_once(tmp_path, caplog, monkeypatch, guard):
+    """A job that died while taking over left job.lock.takeover: the next one clears it by its owner or its age."""
+    monkeypatch.setattr(joblock, "UNREADABLE_GRACE_S", 0.2)
+    folder = tmp_path / "snapshots"
+    write_lock(folder / joblock.LOCK_FILE, local_record())
+    leftover = write_lock(folder / f"{joblock.LOCK_FILE}.takeover", guard())
+    with within(10):
+        assert_taken(folder)
+    assert not leftover.exists()
+    warnings = [record for record in caplog.records if record.levelname == "WARNING"]
+    assert len(warnings) <= 2, [record.getMessage() for record in warnings]  # not once per attempt
+
+
+def test_a_takeover_guard_of_a_live_job_is_left_alone_and_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(joblock, "ATTEMPTS", 3)
+    folder = tmp_path / "snapshots"
+    write_lock(folder / joblock.LOCK_FILE, local_record())
+    guard = write_lock(folder / f"{joblock.LOCK_FILE}.takeover", local_record(pid=os.getppid(), pid_started=None))
+    with pytest.raises(SnapshotError, match=f"delete {guard}"):
+        prepare(folder)
+    assert guard.exists()
+
+
+@pytest.mark.parametrize("pid", [2**40, 10**30], ids=["2**40", "10**30"])
+def test_a_lock_naming_an_absurd_pid_is_a_dead_jobs(tmp_path, pid):
+    folder = tmp_path / "snapshots"
+    write_lock(folder / joblock.LOCK_FILE, local_record(pid=pid, pid_started=None))
+    assert_taken(folder)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"\xff\xfe\x00garbage",
+        b"[" * 100_000,
+        b'{"pid": ' + b"1" * 5000 + b"}",
+        json.dumps(local_record(pid="1234")).encode(),
+        b" " * (1 << 20) + b"{}",
+    ],
+    ids=["bytes", "nested", "5000-digits", "pid-a-string", "1-MiB"],
+)
+def test_a_damaged_lock_dated_a_day_ahead_is_taken_over(tmp_path, monkeypatch, content):
+    monkeypatch.setattr(joblock, "UNREADABLE_GRACE_S", 0.2)
+    folder = tmp_path / "snapshots"
+    write_lock(folder / joblock.LOCK_FILE, content, age=-86400)
+    with within(10):
+        assert_taken(folder)
+
+
+def test_a_named_pipe_in_the_locks_place_is_one_clear_error(tmp_path):
+    folder = tmp_path / "snapshots"
+    folder.mkdir()
+    os.mkfifo(folder / joblock.LOCK_FILE)
+    with within(10), pytest.raises(SnapshotError, match=f"{folder / joblock.LOCK_FILE} is not a file"):
+        prepare(folder)
+
+
+def test_another_machines_lock_dated_a_day_ahead_is_judged_by_its_heartbeat(tmp_path, monkeypatch):
+    """Its date cannot be trusted, whatever JOB_LOCK_STALE_S: a lock that stays unchanged for JOB_LOCK_STALE_S is a
+    dead job's; one rewritten meanwhile (a live job whose clock runs a day ahead) is left alone."""
+    monkeypatch.setenv("JOB_LOCK_STALE_S", "1")
+    folder = tmp_path / "snapshots"
+    foreign_lock(folder, "node-17", heartbeat_age=-86400)
+    with within(10):
+        assert_taken(folder)
+
+    lock = foreign_lock(folder, "node-17", heartbeat_age=-86400)
+    record, beating = lock.read_bytes(), threading.Event()
+
+    def heartbeat():
+        while not beating.wait(0.2):
+            write_lock(lock.with_name("beat"), record, age=-86400).replace(lock)
+
+    thread = threading.Thread(target=heartbeat)
+    thread.start()
+    try:
+        with within(10), pytest.raises(SnapshotError, match=f"delete {lock}"):
+            prepare(folder)
+    finally:
+        beating.set()
+        thread.join()
+    assert json.loads(lock.read_bytes())["host"] == "node-17"
+
+
+def test_a_lock_of_pid_1_without_a_start_time_is_refused_saying_how_to_clear_it(tmp_path):
+    """pid 1 always runs: without a start time the lock cannot be told from init. train.py stops before training."""
+    lock = write_lock(tmp_path / "run-snapshots" / joblock.LOCK_FILE, local_record(pid=1, pid_started=None))
+    written = lock.read_bytes()
+    result = run(train_cmd() + ["--max-steps", "2"] + QUICK + outputs(tmp_path), check=False, timeout=120)
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert "Traceback" not in result.stdout
+    assert f"delete {lock}" in result.stdout
+    assert lock.read_bytes() == written
+    assert not list(lock.parent.glob("step-*")) and not (tmp_path / "run-export").exists()
 
 
 def test_bad_stale_setting_is_one_clear_error(tmp_path, monkeypatch):

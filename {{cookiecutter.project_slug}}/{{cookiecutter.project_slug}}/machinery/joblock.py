@@ -21,11 +21,18 @@ service that is often missing or unreliable:
 - A restart of the same torchrun job (same TORCHELASTIC_RUN_ID; rank 0 may now run on another machine) takes the
   lock over at once; the lock of a job that is gone (dead pid, or a stale heartbeat) is taken over with a warning.
   A take-over happens under a second lock file (job.lock.takeover, taken the same way) and only if job.lock is
-  still the one judged dead, so two jobs starting at once cannot both take it.
+  still the one judged dead, so two jobs starting at once cannot both take it. A take-over file left by a job that
+  died while taking over is judged like a lock (its process on this machine, its age from another) and removed.
+- Whatever a lock file holds, the answer is the lock or one line naming the file: a file that is not a lock record
+  (any bytes, any size) is taken over once it has not changed for UNREADABLE_GRACE_S; a pid no process can have
+  (<= 0, beyond pid_t) is a dead job's. A live pid without a recorded start time (pid 1 is always alive) is
+  respected, and the refusal says to delete the lock if no job uses the folder.
 
 Clocks: the heartbeat's age is measured with the filesystem's clock on both ends, never the writer's or the
 reader's own: the lock file's mtime (set by the file server when the heartbeat is written) against the mtime of a
 file the reader writes there just before comparing. Machines whose clocks disagree therefore agree on the age.
+A lock dated ahead of that clock (a client that sets mtimes itself, a copied folder) has a date nobody can trust:
+it is watched for JOB_LOCK_STALE_S instead, and taken over if no heartbeat rewrites it meanwhile.
 The file is opened before its attributes are read, which makes an NFS client fetch them anew (close-to-open
 consistency) instead of answering from its attribute cache.
 
@@ -57,6 +64,7 @@ import os
 import secrets
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -68,6 +76,8 @@ HEARTBEAT_S = 5.0  # how often the holder rewrites its heartbeat
 DEFAULT_STALE_S = 30.0  # a heartbeat older than this, seen from another machine, is a dead job's
 UNREADABLE_GRACE_S = 2.0  # an unreadable lock younger than this may be one being created with O_EXCL
 ATTEMPTS = 50  # take-over races lost before giving up
+CLOCK_TOLERANCE_S = 2.0  # a lock dated further ahead of the folder's clock than this has a date nobody can trust
+PID_MAX = 2**31 - 1  # the largest pid_t: a lock naming a pid outside 1..PID_MAX names no process
 _REQUIRED: dict[str, type | tuple[type, ...]] = {
     "host": str,
     "pid": int,
@@ -136,8 +146,8 @@ def _process_start(pid: int) -> int | None:
 
 def _process_alive(pid: int, started: int | None) -> bool:
     """Whether `pid` on this machine is still the process that wrote a lock."""
-    if pid <= 0:
-        return False
+    if not 0 < pid <= PID_MAX:
+        return False  # no process has it
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -154,11 +164,30 @@ def _process_alive(pid: int, started: int | None) -> bool:
     return True
 
 
+def _open_stat(path: str, size: int = 0) -> tuple[os.stat_result, bytes]:
+    """The attributes of `path` as the file server has them (opening it revalidates an NFS client's cache:
+    close-to-open), and its first `size` bytes when it is a file. Never blocks: a named pipe is not read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)
+        chunks: list[bytes] = []
+        while stat.S_ISREG(info.st_mode) and size > 0:
+            chunk = os.read(fd, size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size -= len(chunk)
+        return info, b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def _read(path: str) -> tuple[dict | None, os.stat_result]:
-    """A lock file's record (None when it is not a valid one) and its attributes as the file server has them."""
-    with open(path, "rb") as handle:  # opening revalidates cached attributes on NFS (close-to-open)
-        info = os.fstat(handle.fileno())
-        data = handle.read(1 << 16)
+    """A lock file's record (None when it is not a valid one: any bytes, any size, not a file) and its attributes
+    as the file server has them."""
+    info, data = _open_stat(path, 1 << 16)
+    if not stat.S_ISREG(info.st_mode):
+        return None, info
     try:
         record = json.loads(data)
     except (ValueError, RecursionError):
@@ -169,6 +198,25 @@ def _read(path: str) -> tuple[dict | None, os.stat_result]:
         if not isinstance(record.get(key), kind) or isinstance(record.get(key), bool):
             return None, info
     return record, info
+
+
+def _unchanged(path: str, info: os.stat_result, seconds: float) -> bool:
+    """Whether the file at `path` is still the one `info` describes, unmodified, after watching it for `seconds`.
+
+    A live holder rewrites its lock every HEARTBEAT_S (a new file renamed into place): this tells a lock that is
+    alive from one that is not without trusting the date on it.
+    """
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            now, _ = _open_stat(path)
+        except FileNotFoundError:
+            return False
+        if (now.st_ino, now.st_size, now.st_mtime_ns) != (info.st_ino, info.st_size, info.st_mtime_ns):
+            return False
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(min(0.25, seconds))
 
 
 def _filesystem_now(directory: str) -> float:
@@ -213,14 +261,22 @@ def _create_new(path: str, data: bytes, temp: str) -> bool:
         os.remove(temp)
 
 
+def _shown(value: object) -> str:
+    """A value from a lock file, for a one-line message: as it is when short and printable, else its repr, cut."""
+    text = value if isinstance(value, str) else repr(value)
+    if not text.isprintable() or len(text) > 80:
+        text = repr(text)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
 def describe(record: dict) -> str:
     """Who holds a lock, in words: host, pid, job and start time."""
-    job = f", torchrun job {record['job']}" if record["job"] else ""
+    job = f", torchrun job {_shown(record['job'])}" if record["job"] else ""
     try:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record["started"]))
     except (OverflowError, OSError, ValueError):
-        started = repr(record["started"])
-    return f"host {record['host']}, pid {record['pid']}{job}, started {started}"
+        started = _shown(record["started"])
+    return f"host {_shown(record['host'])}, pid {_shown(record['pid'])}{job}, started {started}"
 
 
 class JobLock:
@@ -234,6 +290,7 @@ class JobLock:
         self.started = time.time()
         self.held = False
         self.lost: str | None = None  # why the lock is no longer ours, once another job took it over
+        self._busy_guard: str | None = None  # who was taking the lock over when acquire() last found it busy
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -258,8 +315,14 @@ class JobLock:
     # -- taking the lock -----------------------------------------------------------------------------------------
 
     def acquire(self) -> None:
-        """Take the lock, or raise JobLockError naming the job that holds it. OSError: the folder is not writable."""
+        """Take the lock, or raise JobLockError naming the job that holds it. OSError: the folder is not writable.
+
+        Whatever a lock file holds (any bytes, any size, absurd pids, dates ahead of every clock), the answer is
+        the lock or one JobLockError naming the file and how to clear it.
+        """
         stale_s = stale_after_s()
+        self._busy_guard = None
+        said: set[str] = set()  # each reason to take over is logged once, however many races are lost after it
         for _ in range(ATTEMPTS):
             if _create_new(self.path, self._record(), self._temp("new")):
                 self._taken()
@@ -268,74 +331,93 @@ class JobLock:
                 holder, info = _read(self.path)
             except FileNotFoundError:
                 continue  # released in between: try again
-            except IsADirectoryError:
-                raise JobLockError(f"{self.path} is a folder, not a job lock: delete it") from None
-            if holder is None:
-                age = _filesystem_now(self.directory) - info.st_mtime
-                if age < UNREADABLE_GRACE_S:
-                    time.sleep(0.2)  # probably being created with O_EXCL right now
-                    continue
-                log.warning("taking over the job lock %s: it is damaged (not a lock record)", self.path)
-            else:
-                self._check_holder_gone(holder, info, stale_s)
+            _check_is_file(self.path, info)
+            verdict = self._gone(holder, info, self.path, stale_s)
+            if verdict is None:
+                continue  # it changed while it was watched: look again
+            level, reason = verdict
+            if reason and reason not in said:
+                said.add(reason)
+                log.log(level, "taking over the job lock %s %s", self.path, reason)
             if self._take_over(holder, stale_s):
                 self._taken()
                 return
             time.sleep(0.1)
+        if self._busy_guard:
+            raise JobLockError(
+                f"could not take the job lock {self.path}: another job is taking it over ({self._busy_guard}); if "
+                f"no other job is starting on this folder, delete {self.path}.takeover"
+            )
         raise JobLockError(f"could not take the job lock {self.path}: other jobs keep starting on this folder")
 
-    def _check_holder_gone(self, holder: dict, info: os.stat_result, stale_s: float) -> None:
-        """Return (logging why) if the holder's lock may be taken over; raise JobLockError if its job is alive."""
+    def _gone(self, holder: dict | None, info: os.stat_result, path: str, stale_s: float) -> tuple[int, str] | None:
+        """Whether the job that wrote `path` (the lock, or a take-over guard) may be taken over: (log level, why in
+        words) if so, None if the file changed while it was watched; JobLockError (saying how to clear it) if its
+        job is alive."""
+        if holder is None:
+            age = _filesystem_now(self.directory) - info.st_mtime
+            # Younger than the grace (or dated ahead): it may be one being created with O_EXCL right now.
+            if age >= UNREADABLE_GRACE_S or _unchanged(path, info, UNREADABLE_GRACE_S):
+                return logging.WARNING, "(it is damaged: not a lock record)"
+            return None
         if holder["owner"] == self.owner:
-            return
+            return logging.DEBUG, ""
         if holder["job"] and holder["job"] == self.job:
-            log.info(
-                "taking over the job lock %s from an earlier attempt of this job (%s)", self.path, describe(holder)
-            )
-            return
+            return logging.INFO, f"from an earlier attempt of this job ({describe(holder)})"
         same_machine = holder["host"] == socket.gethostname() and holder.get("boot_id", "") == _boot_id()
         if same_machine:
             if holder["pid"] == os.getpid():
-                log.debug("taking over the job lock %s from this process", self.path)
-                return
-            started = holder.get("pid_started") if isinstance(holder.get("pid_started"), int) else None
+                return logging.DEBUG, "from this process"
+            started = holder.get("pid_started") if type(holder.get("pid_started")) is int else None
             if not _process_alive(holder["pid"], started):
-                log.warning(
-                    "taking over the job lock %s of a job that is gone (%s: no such process)",
-                    self.path,
-                    describe(holder),
-                )
-                return
+                return logging.WARNING, f"of a job that is gone ({describe(holder)}: no such process)"
+            unsure = "" if started is not None else "; the lock records no start time to tell it from another process"
             raise JobLockError(
-                f"the snapshot folder {self.directory} is in use by another job ({describe(holder)}, running): "
-                f"stop that job first, or give this one another --snapshot-dir"
+                f"the snapshot folder {self.directory} is in use by another job ({describe(holder)}, running{unsure}): "
+                f"stop that job first, or give this one another --snapshot-dir; if no job uses that folder, "
+                f"delete {path}"
             )
         age = _filesystem_now(self.directory) - info.st_mtime
         if age >= stale_s:
-            log.warning(
-                "taking over the job lock %s of a job that is gone (%s; no heartbeat for %.0f s)",
-                self.path,
-                describe(holder),
-                age,
+            return logging.WARNING, f"of a job that is gone ({describe(holder)}; no heartbeat for {age:.0f} s)"
+        clear = f"if that job is gone, delete {path}"
+        if -age > CLOCK_TOLERANCE_S:
+            # Dated ahead of this folder's clock: its date says nothing about a heartbeat, but a live holder
+            # rewrites the file every HEARTBEAT_S.
+            log.info(
+                "the job lock %s is dated %.0f s ahead of this folder's clock: watching it for a heartbeat for %.0f s "
+                "(JOB_LOCK_STALE_S)",
+                path,
+                -age,
+                stale_s,
             )
-            return
+            if _unchanged(path, info, stale_s):
+                return logging.WARNING, (
+                    f"of a job that is gone ({describe(holder)}; dated {-age:.0f} s ahead of this folder's clock, "
+                    f"and no heartbeat for {stale_s:.0f} s)"
+                )
+            try:
+                now, _ = _read(path)
+            except FileNotFoundError:
+                return None
+            if now is None or now["owner"] != holder["owner"]:
+                return None
+            raise JobLockError(
+                f"the snapshot folder {self.directory} is in use by another job ({describe(holder)}, heartbeat "
+                f"alive; its machine dates it {-age:.0f} s ahead of this folder's clock): stop that job first, or "
+                f"give this one another --snapshot-dir; {clear}"
+            )
         raise JobLockError(
             f"the snapshot folder {self.directory} is in use by another job ({describe(holder)}, last heartbeat "
             f"{max(age, 0):.0f} s ago): stop that job first, or give this one another --snapshot-dir; if that job is "
-            f"gone, its lock expires {stale_s:.0f} s after its last heartbeat (JOB_LOCK_STALE_S), or delete {self.path}"
+            f"gone, its lock expires {stale_s:.0f} s after its last heartbeat (JOB_LOCK_STALE_S), or delete {path}"
         )
 
     def _take_over(self, holder: dict | None, stale_s: float) -> bool:
         """Replace the lock judged dead by ours, unless another job got there first; True when it is ours."""
         guard = f"{self.path}.takeover"
         if not _create_new(guard, self._record(), self._temp("guard")):
-            try:
-                _, info = _read(guard)
-                if _filesystem_now(self.directory) - info.st_mtime >= stale_s:
-                    log.warning("removing %s, left by a job that died while taking over the lock", guard)
-                    os.remove(guard)
-            except FileNotFoundError:
-                pass  # the other job finished its take-over
+            self._clear_guard(guard, stale_s)
             return False
         try:
             try:
@@ -353,6 +435,25 @@ class JobLock:
             return True
         finally:
             os.remove(guard)
+
+    def _clear_guard(self, guard: str, stale_s: float) -> None:
+        """Remove the take-over guard of a job that died while taking over the lock (judged like a lock: by its
+        owner's process on this machine, by its age from another); leave that of a job taking over right now."""
+        try:
+            record, info = _read(guard)
+            _check_is_file(guard, info)
+            verdict = self._gone(record, info, guard, stale_s)
+        except FileNotFoundError:
+            return  # the other job finished its take-over
+        except JobLockError:
+            self._busy_guard = describe(record) if record else "its guard file is being written"
+            return  # a live job is taking over: the next attempt sees how that ended
+        if verdict is not None:
+            log.warning("removing %s, left by a job that died while taking over the lock", guard)
+            try:
+                os.remove(guard)
+            except FileNotFoundError:
+                pass
 
     def _taken(self) -> None:
         self.held, self.lost = True, None
@@ -424,6 +525,13 @@ class JobLock:
                 os.remove(self.path)
         except FileNotFoundError:
             pass  # already gone
+
+
+def _check_is_file(path: str, info: os.stat_result) -> None:
+    if stat.S_ISDIR(info.st_mode):
+        raise JobLockError(f"{path} is a folder, not a job lock: delete it")
+    if not stat.S_ISREG(info.st_mode):
+        raise JobLockError(f"{path} is not a file, so not a job lock: delete it")
 
 
 # ---------------------------------------------------------------------------------------------------------------
