@@ -125,6 +125,8 @@ def test_unsupported_field_types_are_refused_when_the_parser_is_built():
         (["--eval-every", "-1"], "--eval-every"),
         (["--epochs", str(2**63)], "--epochs"),  # no upper bound: only the 64-bit rule stops these
         (["--max-steps", "9" * 400], "--max-steps"),
+        (["--threads-per-rank", str(2**63 - 1)], "--threads-per-rank"),  # torch.set_num_threads would raise
+        (["--num-workers", "100000"], "--num-workers"),  # as many processes per rank
     ],
 )
 def test_values_outside_a_fields_constraints_are_refused(capsys, argv, flag):

@@ -53,7 +53,7 @@ class Config:
     export_dir: str = option("export", "final weights (model.pt) and the best by val_loss (best.pt) go here")
     metrics_file: str = option("logs/metrics.jsonl", "one JSON object per logged step, written by rank 0; '' for none")
     # Data loading.
-    num_workers: int = option(0, "DataLoader worker processes per rank", min=0)
+    num_workers: int = option(0, "DataLoader worker processes per rank", min=0, max=256)
     # --- demo settings: delete them with the demo model and data ---
     width: int = option(256, "hidden width of the demo model", min=1)
     depth: int = option(3, "hidden layers of the demo model", min=1)
@@ -100,7 +100,7 @@ class Config:
         above=0,
         max=7 * 24 * 3600,
     )
-    threads_per_rank: int = option(0, "CPU threads per rank; 0 = this machine's cores / ranks on it", min=0)
+    threads_per_rank: int = option(0, "CPU threads per rank; 0 = this machine's cores / ranks on it", min=0, max=4096)
     deterministic: bool = option(
         False,
         "deterministic algorithms only (cuBLAS, cuDNN): the same bits from the same inputs on the same GPU, "
