@@ -24,7 +24,8 @@ anything else in the folder is left alone.
 
 A fresh start (`prepare(..., fresh_start=True)`, `--resume never`) moves what the folder holds aside into the
 sibling folder `<folder>.set-aside-<date>-<time>`, unless the snapshots there were written by this same torchrun
-job: then this is a restart of that job, and it resumes.
+job: then this is a restart of that job, and it resumes. When the folder is a symbolic link, the folder it points
+to is moved aside (beside it) and made anew, so the link keeps its place and its disk.
 
 Where the code is: format.py (names, checksummed atomic writes, the manifest, checked reads, `load_latest`),
 rng.py (random streams), staging.py (copies off the training thread), folder.py (the folder's life: prepare,

@@ -143,20 +143,21 @@ class SnapshotFolder:
                 self.job,
             )
             return None
-        aside = f"{self.directory}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
+        real = os.path.realpath(self.directory)  # a link to the folder stays, pointing at the new, empty one
+        aside = f"{real}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
         candidate, suffix = aside, 1
         while os.path.lexists(candidate):
             suffix += 1
             candidate = f"{aside}-{suffix}"
         try:
-            os.rename(self.directory, candidate)
+            os.rename(real, candidate)
+            os.makedirs(real)
         except OSError as exc:
             return (
-                f"cannot start afresh: moving {self.directory} aside to {candidate} failed "
+                f"cannot start afresh: moving {real} aside to {candidate} failed "
                 f"({exc.strerror or exc}); move or delete what it holds yourself, or resume from it with "
                 "--resume auto"
             )
-        os.makedirs(self.directory, exist_ok=True)
         self._lock.acquire()  # in the new, empty folder; the old lock file moved aside with the rest
         try:
             os.remove(os.path.join(candidate, joblock.LOCK_FILE))
@@ -164,7 +165,7 @@ class SnapshotFolder:
             pass  # nothing to tidy
         log.warning(
             "starting afresh: moved what %s held (snapshots up to step %d) aside to %s",
-            self.directory,
+            self.directory if real == self.directory else f"{self.directory} (a link to {real})",
             committed[0],
             candidate,
         )
