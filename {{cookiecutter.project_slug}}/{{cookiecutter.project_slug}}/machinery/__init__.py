@@ -19,6 +19,7 @@ Your rooms are one level up: model.py, data.py and config.py (the seam: machiner
     launcher.py     launch(): torchrun's elastic agent started from Python (notebooks, scripts), output in the caller
     logs.py         rank-aware logging (one clean console, every rank's warnings)
     tracking.py     experiment tracking (wandb on rank 0, the metrics file), the run id
+    runfiles.py     the files beside the snapshots belong to one run: path checks at start-up, the export folder
     joblock.py      one job per snapshot folder
     watchdog.py     a hung rank's stacks, before the collective timeout
     debug.py        attach a debugger to chosen ranks (DEBUG_RANK)

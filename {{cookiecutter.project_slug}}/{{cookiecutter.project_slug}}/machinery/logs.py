@@ -21,6 +21,7 @@ import sys
 FORMAT = "%(asctime)s %(levelname)s [rank %(rank)s] %(name)s: %(message)s"
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 _HANDLER_MARK = "_rank_aware_handler"
+_START_MARK = "_rank_aware_start"  # where this process began writing its log file
 
 
 class _RankFilter(logging.Filter):
@@ -66,10 +67,15 @@ def setup(rank: int, log_file: str = "", level: int = logging.INFO) -> None:
             file_level = logging.DEBUG
         elif rank != 0:
             file_level = logging.WARNING  # other ranks add only their warnings to the shared file
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        file_handler = logging.FileHandler(path, mode="a", encoding="utf-8")
-        file_handler.setLevel(file_level)
-        handlers.append(file_handler)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            file_handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+        except OSError:
+            pass  # the console only: the trainer's start-up check refuses a log file it cannot write, in one line
+        else:
+            file_handler.setLevel(file_level)
+            setattr(file_handler, _START_MARK, os.path.getsize(file_handler.baseFilename))
+            handlers.append(file_handler)
 
     formatter = logging.Formatter(FORMAT, DATE_FORMAT)
     for handler in handlers:
@@ -82,6 +88,43 @@ def setup(rank: int, log_file: str = "", level: int = logging.INFO) -> None:
     logging.getLogger(__name__.split(".")[0]).setLevel(lowest)  # the whole project: train.py, yours, machinery
     logging.captureWarnings(True)  # warnings.warn() from any rank shows up tagged, like a log record
     sys.excepthook = _excepthook
+
+
+def follow_moved_files() -> None:
+    """Follow a log file whose folder was moved away (`--resume never` moves the snapshot folder aside, and the log
+    file may lie in it): what this process wrote to it goes to a new file at the same path, and the moved file
+    keeps only what was there before."""
+    for handler in logging.getLogger().handlers:
+        if not getattr(handler, _HANDLER_MARK, False) or not isinstance(handler, logging.FileHandler):
+            continue
+        stream = handler.stream
+        if stream is None:
+            continue
+        try:
+            if os.path.samestat(os.stat(handler.baseFilename), os.fstat(stream.fileno())):
+                continue
+        except FileNotFoundError:
+            pass
+        handler.acquire()
+        try:
+            stream.flush()
+            start, ours = getattr(handler, _START_MARK, 0), b""
+            try:  # the moved file, through this process's descriptor of it (Linux)
+                with open(f"/proc/self/fd/{stream.fileno()}", "r+b") as moved:
+                    moved.seek(start)
+                    ours = moved.read()
+                    if ours:
+                        moved.truncate(start)
+            except OSError:
+                pass  # elsewhere its lines stay where they are
+            stream.close()
+            os.makedirs(os.path.dirname(handler.baseFilename), exist_ok=True)
+            handler.stream = handler._open()
+            setattr(handler, _START_MARK, os.fstat(handler.stream.fileno()).st_size)
+            handler.stream.write(ours.decode("utf-8", errors="replace"))
+            handler.stream.flush()
+        finally:
+            handler.release()
 
 
 # What a collective or the process-group store raises on a rank whose peer vanished (killed, crashed, its

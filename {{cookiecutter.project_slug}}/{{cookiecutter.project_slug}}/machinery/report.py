@@ -1,4 +1,6 @@
-"""What a run leaves for people: exported weights, the summary, the resolved settings, the progress bar."""
+"""What a run leaves for people: exported weights, the summary, the resolved settings, the progress bar.
+
+Where the weights and the summary go is the export folder that runfiles.ExportFolder claimed for the run."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Summary:
+    run_id: str  # the run these files belong to (run.json in the snapshot folder and the export folder)
     world_size: int
     steps: int
     total_steps: int
@@ -81,8 +84,9 @@ def snapshot_size(step_folder: str) -> int:
 
 
 def write_config(cfg: Any, snapshot_dir: str) -> None:
-    """The resolved settings, logged once and kept beside the snapshots (`--config` reads the file back)."""
-    text = to_toml(cfg)
+    """The resolved settings, logged once and kept beside the snapshots: `--config` reads the file back to continue
+    this run, so it says `resume = "auto"` also when this launch started afresh (`--resume never`)."""
+    text = to_toml(dataclasses.replace(cfg, resume="auto") if getattr(cfg, "resume", "auto") != "auto" else cfg)
     write_atomic(os.path.join(snapshot_dir, "config.toml"), lambda f: f.write(text.encode()))
     log.info("settings: %s", " ".join(f"{flag(k)}={v!r}" for k, v in dataclasses.asdict(cfg).items()))
 

@@ -4,28 +4,33 @@ The training loop calls `tracker.log(...)` on every rank and never asks which ra
 imported only when it is used. The run id (`run_id`) lives in the snapshot folder, so restarts and re-launches
 that resume from it continue the same wandb run.
 
-The metrics file (`--metrics-file`, JSON Lines) holds one object per logged step: `{"step": 120, "loss": ...,
-"lr": ..., "val_loss": ...}`. A resumed run first drops the records of steps after the snapshot it resumed
-from, so steps that are trained again replace what the failed attempt wrote instead of repeating it: read the
-file top to bottom and every step appears once. Each line is flushed as it is written; a crash loses at
-most the line being written, and a partial last line is dropped at the next start.
+The metrics file (`--metrics-file`, JSON Lines) holds one object per logged step: `{"step": 120, "run_id": ...,
+"loss": ..., "lr": ..., "val_loss": ...}`, and the records of one run only:
+- A file with another run's records is moved aside to `metrics.<that run id>.jsonl` (one INFO line), and a file
+  `metrics.<this run id>.jsonl` (this run's records, moved aside by another run) is taken back.
+- A file another live job writes (it holds a lock on it) is left alone: this run writes `metrics.<run id>.jsonl`
+  beside it, with a warning; summary.json names the file a run wrote.
+- A resumed run first drops the records of steps after the snapshot it resumed from, so steps that are trained
+  again replace what the failed attempt wrote instead of repeating it: read the file top to bottom and every step
+  appears once. Each line is flushed as it is written; a crash loses at most the line being written, and a
+  partial last line is dropped at the next start. Lines that are no records (not UTF-8, not JSON) are left out,
+  with one warning.
 """
 
 import json
 import logging
 import math
 import os
-import re
 import secrets
-import time
 from typing import Literal, cast
 
-from . import distributed
+from . import distributed, runfiles
 from .distributed import DistEnv
+from .runfiles import RUN_ID
+from .settings import RunError
 from .snapshot import RUN_FILE, SnapshotError, short_repr, write_json_atomic
 
 WandbMode = Literal["online", "offline", "disabled"]  # the choices of --wandb
-RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")  # what wandb accepts as a run id
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +81,8 @@ def _read_or_create_run_id(path: str) -> str:
 class Tracker:
     """Does nothing: what every rank but 0 gets, and rank 0 too when tracking is disabled."""
 
+    metrics_file = ""  # the metrics file it writes (absolute), if any
+
     def log(self, metrics: dict, step: int) -> None:
         pass
 
@@ -106,27 +113,62 @@ class WandbTracker(Tracker):
 
 
 class MetricsFile(Tracker):
-    """JSON Lines on rank 0: one record per logged step, steps after `resumed_from` dropped first (-1: a new run).
+    """JSON Lines on rank 0: one record per logged step, with this run's id, steps after `resumed_from` dropped first
+    (-1: a new run). The file holds one run's records (see the module docstring).
 
     Metrics logged for the step of the last line (validation after training metrics) are merged into it.
     """
 
-    def __init__(self, path: str, resumed_from: int):
-        self.path = path
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        if resumed_from < 0 and os.path.exists(path) and os.path.getsize(path) > 0:
-            kept_aside = f"{path}.{time.strftime('%Y%m%d-%H%M%S')}"
-            os.replace(path, kept_aside)  # a fresh run starts a fresh file; the old one is kept, not overwritten
-            log.info("a new run: the previous metrics file is now %s", kept_aside)
-        steps = [(_step_of(line), line) for line in _read_lines(path)]
-        kept = [line for step, line in steps if step is not None and step <= resumed_from]
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as handle:
-            handle.write("".join(kept).encode())
-        os.replace(tmp, path)
-        self._file = open(path, "ab")
+    def __init__(self, path: str, run_id: str, resumed_from: int):
+        self.run_id = run_id
+        self.metrics_file = os.path.abspath(path)
+        os.makedirs(os.path.dirname(self.metrics_file), exist_ok=True)
+        fd = self._claim()
+        content = runfiles.read_held(fd)
+        records, skipped = _records(content)
+        if skipped:
+            log.warning(
+                "%s: skipped %d line(s) that are not metrics records (not UTF-8 JSON objects with a step); they are "
+                "left out of the file",
+                self.metrics_file,
+                skipped,
+            )
+        kept = b"".join(line for record, line in records if record["step"] <= resumed_from)
+        if kept != content:
+            fd = runfiles.replace_held(fd, self.metrics_file, kept)
+        self._file = os.fdopen(fd, "ab")
+        self._file.seek(0, os.SEEK_END)
         self._last: dict = {}
         self._last_offset = self._file.tell()
+
+    def _claim(self) -> int:
+        """Hold the metrics file for this run: a descriptor of a file that holds this run's records only."""
+        path, run_id = self.metrics_file, self.run_id
+        own = runfiles.run_path(path, run_id)
+        fd = runfiles.hold(path)
+        if fd is None and _run_ids(_read(path)) == {run_id}:  # this run's previous attempt, still exiting
+            fd = runfiles.hold(path, wait=runfiles.OWN_FILE_WAIT_S)
+        if fd is not None:
+            foreign = [found for found in _run_ids_in_order(runfiles.read_held(fd)) if found != run_id]
+            if foreign:
+                owner = foreign[-1] if isinstance(foreign[-1], str) and RUN_ID.match(foreign[-1]) else None
+                aside = runfiles.aside_path(path, owner)
+                os.rename(path, aside)  # held by this process: nobody appends to it
+                os.close(fd)
+                log.info("%s held the records of run %s: moved them aside to %s", path, owner or "of unknown id", aside)
+                fd = runfiles.hold(path)  # a new file (None: another job took the name meanwhile)
+        if fd is None:
+            log.warning("%s is being written by another running job: this run writes its metrics to %s", path, own)
+            self.metrics_file = own
+            fd = runfiles.hold(own, wait=runfiles.OWN_FILE_WAIT_S)
+            if fd is None:
+                raise RunError(f"another process holds {own}, this run's metrics file: is this run running twice?")
+            return fd
+        if os.path.exists(own) and not _records(runfiles.read_held(fd))[0]:  # this run's records, set aside
+            fd = runfiles.replace_held(fd, path, _read(own))
+            os.remove(own)
+            log.info("this run's metrics records are back in %s from %s", path, own)
+        return fd
 
     def log(self, metrics: dict, step: int) -> None:
         record = {k: _plain(v) for k, v in metrics.items()}
@@ -135,7 +177,7 @@ class MetricsFile(Tracker):
             self._file.truncate(self._last_offset)
         else:
             self._last_offset = self._file.tell()
-        self._last = {"step": step, **record}
+        self._last = {"step": step, "run_id": self.run_id, **record}
         self._file.write((json.dumps(self._last) + "\n").encode())
         self._file.flush()
 
@@ -148,6 +190,7 @@ class Trackers(Tracker):
 
     def __init__(self, trackers: list[Tracker]):
         self.trackers = trackers
+        self.metrics_file = next((t.metrics_file for t in trackers if t.metrics_file), "")
 
     def log(self, metrics: dict, step: int) -> None:
         for tracker in self.trackers:
@@ -158,20 +201,50 @@ class Trackers(Tracker):
             tracker.finish()
 
 
-def _read_lines(path: str) -> list[str]:
+def _read(path: str) -> bytes:
     try:
-        with open(path, encoding="utf-8") as handle:
-            return [line if line.endswith("\n") else line + "\n" for line in handle]
+        with open(path, "rb") as handle:
+            return handle.read()
     except FileNotFoundError:
-        return []
+        return b""
 
 
-def _step_of(line: str) -> int | None:
+def _records(content: bytes) -> tuple[list[tuple[dict, bytes]], int]:
+    """The records in a metrics file's bytes, each with its line, and the number of other lines (not counting a
+    partial last line: what a crash leaves)."""
+    lines = content.split(b"\n")
+    partial = lines.pop()
+    records, skipped = [], 0
+    for line in lines:
+        record = _record(line)
+        if record is not None:
+            records.append((record, line + b"\n"))
+        elif line.strip():
+            skipped += 1
+    record = _record(partial)
+    if record is not None:  # complete but for its newline
+        records.append((record, partial + b"\n"))
+    return records, skipped
+
+
+def _record(line: bytes) -> dict | None:
+    """A line's record, or None when it is no JSON object with an integer step (garbage, a partial line)."""
     try:
-        step = json.loads(line).get("step")
-    except (ValueError, AttributeError):
-        return None  # the partial last line of a crash, or not ours
-    return step if isinstance(step, int) else None
+        record = json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+    if not isinstance(record, dict):
+        return None
+    step = record.get("step")
+    return record if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _run_ids_in_order(content: bytes) -> list:
+    return [record.get("run_id") for record, _ in _records(content)[0]]
+
+
+def _run_ids(content: bytes) -> set:
+    return set(_run_ids_in_order(content))
 
 
 def _plain(value):
@@ -193,7 +266,7 @@ def make_tracker(
         return Tracker()
     trackers: list[Tracker] = []
     if metrics_file:
-        trackers.append(MetricsFile(metrics_file, resumed_from))
+        trackers.append(MetricsFile(metrics_file, run_id, resumed_from))
     if mode != "disabled":
         trackers.append(WandbTracker(project, run_id, mode, config))
     return Trackers(trackers)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from . import distributed, joblock, tracking, watchdog
+from . import distributed, joblock, logs, runfiles, tracking, watchdog
 from .batches import Batches, Progress, RunLength
 from .distributed import DistEnv
 from .evaluate import evaluate
@@ -66,6 +66,7 @@ class Trainer:
 
     def __init__(self, cfg: Any, env: DistEnv):
         self.cfg, self.env = cfg, env
+        runfiles.check_paths(cfg, env)  # before anything slow: a path that cannot be written is refused at once
         self.user = UserCode(PACKAGE)
         for line in self.user.misspelled():
             self._warn_once("%s", line)
@@ -91,8 +92,10 @@ class Trainer:
             self.snapshots.prepare(estimated_bytes(self.model), fresh_start=cfg.resume == "never")
         except SnapshotError as exc:  # prepare has let the folder go
             raise RunError(str(exc)) from None
+        logs.follow_moved_files()  # a log file in a folder that a fresh start moved aside: this run's lines come along
         try:  # the folder's job lock is this run's now: a start-up that fails lets it go
             rng_state = self._build_and_restore()
+            self._claim_outputs()
         except BaseException:
             self.snapshots.close()
             raise
@@ -101,9 +104,6 @@ class Trainer:
         self._warn_about_settings()
 
         self.parallel.wrap(resumed=self.resumed_from >= 0)
-        self.tracker = tracking.make_tracker(
-            env, cfg.wandb, cfg.wandb_project, self.run_id, cfg.to_dict(), cfg.metrics_file, self.resumed_from
-        )
         self.last_saved = self.resumed_from if self.resumed_from >= 0 else None
         self.hang_watch = watchdog.HangWatch(env.rank, timeout * 0.8, cfg.log_file)  # stacks, before the timeout
         self._timer = time.perf_counter()
@@ -166,6 +166,24 @@ class Trainer:
         rng_state = self.state.restore(resumed, folder)
         self._log_changed_settings(resumed, folder)
         return rng_state
+
+    def _claim_outputs(self) -> None:
+        """The export folder and the metrics file, for this run (runfiles.py); a problem stops every rank alike."""
+        cfg, env = self.cfg, self.env
+        self.exports = runfiles.ExportFolder(env, cfg.export_dir, self.run_id)
+        problem = None
+        try:
+            self.tracker = tracking.make_tracker(
+                env, cfg.wandb, cfg.wandb_project, self.run_id, cfg.to_dict(), cfg.metrics_file, self.resumed_from
+            )
+        except (OSError, RunError) as exc:
+            problem = str(exc) if isinstance(exc, RunError) else f"{flag('metrics_file')} {cfg.metrics_file}: {exc}"
+        problem, self.metrics_file = distributed.broadcast_object(
+            env, (problem, "" if problem else self.tracker.metrics_file)
+        )
+        if problem:
+            self.exports.close()
+            raise RunError(problem)
 
     def _check_resumable(self, resumed: dict) -> None:
         folder = os.path.join(self.snapshots.directory, step_name(resumed["step"]))
@@ -260,7 +278,7 @@ class Trainer:
         self.last_saved = self.progress.step
 
     def export(self, name: str) -> None:
-        export(self.model, self.sharded, self.env, self.cfg.export_dir, name)
+        export(self.model, self.sharded, self.env, self.exports.directory, name)
 
     def finish(self, stop: StopRequest) -> Summary:
         """Final snapshot, export and summary (also for a run that was already complete when it started)."""
@@ -287,7 +305,7 @@ class Trainer:
         if not stopped:
             self.export("model.pt")  # final weights only from a run that finished
         if self.env.is_main:
-            write_summary(summary, self.cfg.export_dir)  # a stopped run's too, with its stop_signal
+            write_summary(summary, self.exports.directory)  # a stopped run's too, with its stop_signal
         if summary.already_complete:
             log.info(
                 "already complete: %d of %d steps, last loss %.4f%s; nothing to train (raise --max-steps or "
@@ -311,13 +329,14 @@ class Trainer:
             "snapshots: %s (newest %s); exported weights: %s",
             summary.snapshot_dir,
             summary.newest_snapshot,
-            os.path.abspath(self.cfg.export_dir),
+            self.exports.directory,
         )
         return summary
 
     def close(self) -> None:
         self.hang_watch.close()
         self.tracker.finish()
+        self.exports.close()
         self.snapshots.close()
 
     def __enter__(self) -> Trainer:
@@ -345,8 +364,9 @@ class Trainer:
     def _warn_about_settings(self) -> None:
         cfg, steps = self.cfg, self.total_steps
         log.info(
-            "%s from step %d of %d: %d rank(s) x batch %d x accum %d = %d samples/step, %d parameters",
+            "%s run %s from step %d of %d: %d rank(s) x batch %d x accum %d = %d samples/step, %d parameters",
             "resuming" if self.resumed_from >= 0 else "training",
+            self.run_id,
             self.progress.step,
             steps,
             self.env.world_size,
@@ -399,6 +419,7 @@ class Trainer:
     def _summary(self, already_complete: bool, stop_signal: int) -> Summary:
         cfg, progress = self.cfg, self.progress
         return Summary(
+            run_id=self.run_id,
             world_size=self.env.world_size,
             steps=progress.step,
             total_steps=self.total_steps,
@@ -411,9 +432,9 @@ class Trainer:
             best_step=progress.best_step,
             snapshot_dir=self.snapshots.directory,
             newest_snapshot=step_name(progress.step),
-            export_dir=os.path.abspath(cfg.export_dir),
+            export_dir=self.exports.directory,
             log_file=os.path.abspath(cfg.log_file.replace("{rank}", "0")) if cfg.log_file else "",
-            metrics_file=os.path.abspath(cfg.metrics_file) if cfg.metrics_file else "",
+            metrics_file=self.metrics_file,
             already_complete=already_complete,
             stop_signal=stop_signal,
             snapshot_bytes=snapshot_size(os.path.join(self.snapshots.directory, step_name(progress.step))),

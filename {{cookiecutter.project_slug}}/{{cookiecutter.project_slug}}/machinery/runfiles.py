@@ -1,0 +1,261 @@
+"""What a run writes outside its snapshot folder belongs to that run: the path flags, and who owns each file.
+
+- `check_paths`: --snapshot-dir, --export-dir, --metrics-file and --log-file are checked on rank 0 before anything
+  is built or trained: each names a folder (or file) of the right kind, not empty, in a place that can be written.
+  Otherwise one line names every bad flag and the run exits with code 2.
+- `ExportFolder`: the export folder holds one run's files. Rank 0 claims it with the run id (`run.json` in it,
+  and `run_id` in summary.json). What another run left there (model.pt, best.pt, summary.json) moves to the
+  sibling folder `<export-dir>.<its run id>`; a run that finds such a folder of its own takes its files back.
+  While another live job holds the folder, this run exports to `<export-dir>.<run id>` instead.
+- The metrics file (tracking.MetricsFile) follows the same rules, file by file: `metrics.<run id>.jsonl`.
+
+A live job holds its files with an exclusive lock (flock) on an open descriptor, released when the process ends
+however it ends: a file that a live process appends to is never moved or replaced under it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from typing import Any
+
+from . import distributed
+from .distributed import DistEnv
+from .settings import RunError, flag
+
+try:
+    import fcntl
+except ImportError:  # no flock here: files are claimed by run id only
+    fcntl = None  # type: ignore[assignment]
+
+log = logging.getLogger(__name__)
+
+RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}\Z")  # what wandb accepts as a run id
+OWNER_FILE = "run.json"  # in the export folder: {"run_id": ...} of the run whose files it holds
+EXPORT_FILES = ("model.pt", "best.pt", "summary.json")  # what a run writes to its export folder
+OWN_FILE_WAIT_S = 15.0  # how long a run waits for a file its own previous attempt holds (a process still exiting)
+
+# (setting, what it names, whether '' turns it off)
+PATH_SETTINGS = (
+    ("snapshot_dir", "folder", False),
+    ("export_dir", "folder", False),
+    ("metrics_file", "file", True),
+    ("log_file", "file", True),
+)
+
+
+def check_paths(cfg: Any, env: DistEnv) -> None:
+    """Refuse, on every rank alike, the path settings rank 0 cannot use: one line naming each bad flag."""
+    problems: list[str] = []
+    if env.is_main:
+        for name, kind, optional in PATH_SETTINGS:
+            if hasattr(cfg, name):
+                problem = path_problem(name, getattr(cfg, name), kind, optional)
+                if problem:
+                    problems.append(problem)
+    problems = distributed.broadcast_object(env, problems)
+    if problems:
+        raise RunError("; ".join(problems))
+
+
+def path_problem(name: str, value: str, kind: str, optional: bool) -> str | None:
+    """What keeps rank 0 from writing the folder or file `value` of setting `name`, in one phrase; None if nothing."""
+    where = f"{flag(name)} {value!r}"
+    if value == "":
+        return None if optional else f"{where} is empty: name a {kind}"
+    path = os.path.abspath(value.replace("{rank}", "0") if name == "log_file" else value)
+    if kind == "folder" and os.path.exists(path) and not os.path.isdir(path):
+        return f"{where} is a file, not a folder"
+    if kind == "file" and os.path.isdir(path):
+        return f"{where} is a folder, not a file"
+    if os.path.exists(path) and not os.access(path, os.W_OK | (os.X_OK if kind == "folder" else 0)):
+        return f"{where} cannot be written (permission denied)"
+    above = os.path.dirname(path)
+    while not os.path.lexists(above):  # the folders still to create: the nearest existing one must take them
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        return f"{where} lies under {above}, which is a file, not a folder"
+    if not os.path.exists(path) and not os.access(above, os.W_OK | os.X_OK):
+        return f"{where} cannot be created: {above} cannot be written (permission denied)"
+    return None
+
+
+# -- holding a file ------------------------------------------------------------------------------------------------
+
+
+def hold(path: str, wait: float = 0.0) -> int | None:
+    """A descriptor of `path` (created if missing, opened to append) with an exclusive lock on the file, held as
+    long as it stays open; None when another live process holds it for `wait` seconds. Where the filesystem has no
+    locks, the descriptor holds none."""
+    deadline = time.monotonic() + wait
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        if fcntl is None:
+            return fd
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.2)
+            continue
+        except OSError:
+            return fd  # a filesystem without locks
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # the file was moved or replaced while this process waited: hold the one at the path now
+
+
+def replace_held(fd: int, path: str, content: bytes) -> int:
+    """Replace the file at `path`, which `fd` holds, by one with `content`, atomically; return the new file's held
+    descriptor (the old one is closed). No other process can be appending to it: this one holds it."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as handle:
+        handle.write(content)
+        handle.flush()
+        os.fsync(handle.fileno())
+    new = hold(tmp)
+    if new is None:  # nobody else knows this name
+        raise RunError(f"cannot hold {tmp}: another process took it")
+    os.replace(tmp, path)
+    os.close(fd)
+    return new
+
+
+def read_held(fd: int) -> bytes:
+    os.lseek(fd, 0, os.SEEK_SET)
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def run_path(path: str, run_id: str, folder: bool = False) -> str:
+    """The name of `path` that belongs to one run: logs/metrics.jsonl -> logs/metrics.<run_id>.jsonl for a file,
+    export -> export.<run_id> for a folder."""
+    path = os.path.abspath(path)
+    if folder:
+        return f"{path}.{run_id}"
+    stem, suffix = os.path.splitext(path)
+    return f"{stem}.{run_id}{suffix}"
+
+
+def aside_path(path: str, owner: str | None, folder: bool = False) -> str:
+    """A free name for the files of run `owner` at `path` when another run takes `path` (unknown owner: by time)."""
+    label = owner or time.strftime("unknown-run-%Y%m%d-%H%M%S")
+    candidate, number = run_path(path, label, folder), 1
+    while os.path.lexists(candidate):
+        number += 1
+        candidate = run_path(path, f"{label}-{number}", folder)
+    return candidate
+
+
+# -- the export folder -----------------------------------------------------------------------------------------------
+
+
+class ExportFolder:
+    """Rank 0's claim on the export folder for one run (the other ranks only learn where it is)."""
+
+    def __init__(self, env: DistEnv, directory: str, run_id: str):
+        self.directory = os.path.abspath(directory)
+        self._fd: int | None = None
+        problem = None
+        if env.is_main:
+            try:
+                self._claim(run_id)
+            except OSError as exc:
+                problem = f"cannot claim the export folder {self.directory}: {exc.strerror or exc}"
+        problem, self.directory = distributed.broadcast_object(env, (problem, self.directory))
+        if problem:
+            self.close()
+            raise RunError(problem)
+
+    def _claim(self, run_id: str) -> None:
+        own = run_path(self.directory, run_id, folder=True)
+        os.makedirs(self.directory, exist_ok=True)
+        fd = hold(os.path.join(self.directory, OWNER_FILE))
+        if fd is None:
+            if _owner(self.directory, None) == run_id:  # this run's previous attempt, still exiting
+                fd = hold(os.path.join(self.directory, OWNER_FILE), wait=OWN_FILE_WAIT_S)
+            if fd is None:
+                log.warning(
+                    "%s is in use by another running job (run %s): this run exports to %s",
+                    self.directory,
+                    _owner(self.directory, None) or "of unknown id",
+                    own,
+                )
+                self.directory = own
+                os.makedirs(own, exist_ok=True)
+                fd = hold(os.path.join(own, OWNER_FILE), wait=OWN_FILE_WAIT_S)
+                if fd is None:
+                    raise OSError(f"another process holds {os.path.join(own, OWNER_FILE)}")
+        self._fd = fd
+        owner = _owner(self.directory, fd)
+        if owner != run_id:
+            present = [name for name in EXPORT_FILES if os.path.lexists(os.path.join(self.directory, name))]
+            if present:
+                aside = aside_path(self.directory, owner, folder=True)
+                _move(self.directory, aside, present, owner)
+                log.info(
+                    "%s held the files of run %s (%s): moved them aside to %s",
+                    self.directory,
+                    owner or "of unknown id",
+                    ", ".join(present),
+                    aside,
+                )
+            if self.directory != own and os.path.isdir(own):  # this run's files, set aside by another run
+                back = [name for name in EXPORT_FILES if os.path.lexists(os.path.join(own, name))]
+                _move(own, self.directory, back, None)
+                if os.path.exists(os.path.join(own, OWNER_FILE)):
+                    os.remove(os.path.join(own, OWNER_FILE))
+                if not os.listdir(own):
+                    os.rmdir(own)
+                if back:
+                    log.info("this run's exported files are back in %s from %s", self.directory, own)
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"run_id": run_id}).encode())
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _owner(directory: str, fd: int | None) -> str | None:
+    """The run id the export folder's files belong to: its run.json, else its summary.json; None if neither says."""
+    try:
+        text = read_held(fd) if fd is not None else _read(os.path.join(directory, OWNER_FILE))
+        found = json.loads(text).get("run_id")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        found = None
+    if found is None:
+        try:
+            found = json.loads(_read(os.path.join(directory, "summary.json"))).get("run_id")
+        except (OSError, ValueError, AttributeError, RecursionError):
+            return None
+    return found if isinstance(found, str) and RUN_ID.match(found) else None
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as handle:
+        return handle.read()
+
+
+def _move(source: str, target: str, names: list[str], owner: str | None) -> None:
+    """Move the files `names` from folder `source` to folder `target` (created), with run.json naming `owner`."""
+    os.makedirs(target, exist_ok=True)
+    for name in names:
+        os.replace(os.path.join(source, name), os.path.join(target, name))
+    if owner is not None:
+        with open(os.path.join(target, OWNER_FILE), "w", encoding="utf-8") as handle:
+            json.dump({"run_id": owner}, handle)
