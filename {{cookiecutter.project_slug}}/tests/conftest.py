@@ -143,6 +143,11 @@ def finish(proc, timeout=300):
 
 def worker_pids(agent_pid):
     """{global rank: pid} of the workers a torchrun agent runs now."""
+    return rank_pids(lambda pid, parent, cmdline: parent == agent_pid)
+
+
+def rank_pids(accept):
+    """{global rank: pid} of the processes with RANK in their environment that accept(pid, parent, cmdline)."""
     found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -150,7 +155,9 @@ def worker_pids(agent_pid):
         try:
             with open(f"/proc/{entry}/stat") as handle:
                 parent = int(handle.read().rsplit(")", 1)[1].split()[1])
-            if parent != agent_pid:
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                cmdline = handle.read()
+            if not accept(int(entry), parent, cmdline):
                 continue
             with open(f"/proc/{entry}/environ", "rb") as handle:
                 variables = handle.read().split(b"\0")

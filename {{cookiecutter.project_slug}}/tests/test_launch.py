@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import EXACT, QUICK, ROOT, assert_same_weights, child_env, final_model, run, wait_for
+from conftest import EXACT, QUICK, ROOT, assert_same_weights, child_env, final_model, rank_pids, run, wait_for
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -67,27 +67,8 @@ def streamed(cell, name=None):
 
 
 def workers_of(run_dir):
-    """{rank: pid} of the training processes whose command line names run_dir (any parent)."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            if str(run_dir).encode() not in cmdline:
-                continue
-            variables = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        for item in variables:
-            if item.startswith(b"RANK="):
-                found[int(item[5:])] = int(entry)
-    return found
-
-
-def parent_of(pid):
-    with open(f"/proc/{pid}/stat") as handle:
-        return int(handle.read().rsplit(")", 1)[1].split()[1])
+    """{rank: pid} of the training processes whose command line names run_dir (whatever started them)."""
+    return rank_pids(lambda pid, parent, cmdline: str(run_dir).encode() in cmdline)
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +161,8 @@ def test_a_notebook_launch_survives_a_sigkill_bitwise_and_the_stop_button_saves_
         os.kill(workers_of(kill)[victim], signal.SIGKILL)
         happened["killed"] = (victim, step)
         wait_for(lambda: any(s >= 20 for s in _steps(stop / "metrics.jsonl")), timeout=180, what="step 20")
-        kernel = parent_of(workers_of(stop)[0])
+        rank_0 = workers_of(stop)[0]
+        kernel = int(Path(f"/proc/{rank_0}/stat").read_text().rsplit(")", 1)[1].split()[1])  # the agent's process
         assert os.getpgid(kernel) != os.getpgid(0), "the kernel runs in a process group of its own"
         os.killpg(os.getpgid(kernel), signal.SIGINT)  # what the stop button does (Jupyter's "signal" interrupt)
         happened["interrupted"] = True
