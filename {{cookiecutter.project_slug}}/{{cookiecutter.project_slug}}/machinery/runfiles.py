@@ -222,9 +222,6 @@ class ExportFolder:
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"run_id": run_id}).encode())
 
-    def path(self, name: str) -> str:
-        return os.path.join(self.directory, name)
-
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
