@@ -2,7 +2,8 @@
 
 `Trainer` puts the rooms together: the user's hooks (hooks.py), the data position (batches.py, stream.py), the
 model across the ranks (parallel.py), one step (step.py), evaluation (evaluate.py), what a snapshot holds
-(state.py) and where it goes (snapshot/), and what the run leaves (report.py).
+(state.py) and where it goes (snapshot/), and what the run leaves (report.py) in files that belong to it
+(runfiles.py: path checks at start-up, the export folder and metrics file claimed by the run id).
 
 What a resume takes from the snapshot, and what from the command line (or --config) of the new launch:
 - From the snapshot: every part of state.py (weights, optimizer state, scheduler, scaler, step, data position,
