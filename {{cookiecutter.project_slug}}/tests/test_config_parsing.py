@@ -119,6 +119,7 @@ def test_unsupported_field_types_are_refused_when_the_parser_is_built():
         (["--seed", str(2**32)], "--seed"),
         (["--keep-snapshots", "1"], "--keep-snapshots"),
         (["--snapshot-dir", ""], "--snapshot-dir"),
+        (["--export-dir", ""], "--export-dir"),
         (["--resume", "sometimes"], "--resume"),
         (["--dist-timeout", "0"], "--dist-timeout"),
         (["--dist-timeout", str(8 * 24 * 3600)], "--dist-timeout"),

@@ -65,7 +65,7 @@ def test_path_flags_are_checked_before_training(tmp_path):
     (a_folder / "kept.txt").write_text("kept")
     bad = {
         "--snapshot-dir": str(a_file / "snapshots"),  # under a file: it cannot be made
-        "--export-dir": "",
+        "--export-dir": str(a_file),  # a file, not a folder
         "--metrics-file": str(a_folder),
         "--log-file": str(a_folder / "kept.txt" / "train.log"),
     }

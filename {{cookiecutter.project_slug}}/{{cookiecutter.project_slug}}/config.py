@@ -50,7 +50,9 @@ class Config:
     seed: int = option(1337, "seed for weights, data order and every rank's random streams", min=0, max=2**32 - 1)
     # Evaluation and export.
     eval_every: int = option(100, "evaluate every this many optimizer steps; 0 = only at the end", min=0)
-    export_dir: str = option("export", "final weights (model.pt) and the best by val_loss (best.pt) go here")
+    export_dir: str = option(
+        "export", "final weights (model.pt) and the best by val_loss (best.pt) go here", nonempty=True
+    )
     metrics_file: str = option("logs/metrics.jsonl", "one JSON object per logged step, written by rank 0; '' for none")
     # Data loading.
     num_workers: int = option(0, "DataLoader worker processes per rank", min=0, max=256)

@@ -253,10 +253,20 @@ def _message(failure: Any) -> str:
 
 
 def _summary(export_dir: Path, started: float) -> dict[str, Any]:
-    path = export_dir / "summary.json"
+    """Rank 0's summary.json of this launch: in the export folder, or in `<export-dir>.<run id>` where another
+    live job held the folder (runfiles.py)."""
+    candidates = [export_dir / "summary.json", *export_dir.parent.glob(f"{export_dir.name}.*/summary.json")]
+    written = []
+    for path in candidates:
+        try:
+            if path.stat().st_mtime >= started - 1:
+                written.append((path.stat().st_mtime, path))
+        except OSError:
+            continue
+    if not written:
+        raise TrainingFailed(f"the run finished but rank 0 wrote no summary to {export_dir}", 0, 0)
+    path = max(written)[1]
     try:
-        if path.stat().st_mtime < started - 1:
-            raise TrainingFailed(f"{path} is older than this launch: rank 0 wrote no summary", 0, 0)
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise TrainingFailed(f"the run finished but its summary {path} cannot be read: {exc}", 0, 0) from None
