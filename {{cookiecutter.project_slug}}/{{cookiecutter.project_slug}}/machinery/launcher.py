@@ -259,10 +259,11 @@ def _summary(export_dir: Path, started: float) -> dict[str, Any]:
     written = []
     for path in candidates:
         try:
-            if path.stat().st_mtime >= started - 1:
-                written.append((path.stat().st_mtime, path))
+            mtime = path.stat().st_mtime
         except OSError:
             continue
+        if mtime >= started - 1:
+            written.append((mtime, path))
     if not written:
         raise TrainingFailed(f"the run finished but rank 0 wrote no summary to {export_dir}", 0, 0)
     path = max(written)[1]
