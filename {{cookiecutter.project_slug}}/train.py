@@ -41,11 +41,18 @@ def main(argv: list[str] | None = None) -> Summary:
 
 def run(cfg: config.Config) -> Summary:
     """Train with settings already parsed: set up this rank, train, tear down."""
-    from {{ cookiecutter.project_slug }}.machinery import debug, distributed, joblock, logs, stop, trainer
+    from {{ cookiecutter.project_slug }}.machinery import debug, distributed, joblock, logs, replicas, stop, trainer
     from {{ cookiecutter.project_slug }}.machinery.snapshot import SnapshotError
     from {{ cookiecutter.project_slug }}.machinery.stream import StreamEnded
 
     env = distributed.read_env()
+    if replicas.requested(cfg):  # --fault-tolerance torchft: this replica group's own files
+        try:
+            replicas.per_group_paths(cfg, replicas.group_info().group)
+        except config.RunError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            record_cause(exc)
+            raise SystemExit(2) from None
     logs.setup(env.rank, cfg.log_file)
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         joblock.exit_with_parent()  # a worker whose torchrun agent died stops too, instead of training on alone

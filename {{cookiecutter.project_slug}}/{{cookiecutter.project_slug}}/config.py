@@ -25,6 +25,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 BACKENDS = ("auto", "nccl", "gloo")
 STRATEGIES = ("ddp", "fsdp")
 RESUME_MODES = ("auto", "never")
+FAULT_TOLERANCE = ("off", "torchft")
 
 
 @dataclass
@@ -101,6 +102,13 @@ class Config:
         "seconds a collective may wait for a rank before the job fails (long while debugging)",
         above=0,
         max=7 * 24 * 3600,
+    )
+    fault_tolerance: str = option(
+        "off",
+        "off: a failed rank restarts the whole torchrun job from the newest snapshot; torchft: replica groups that "
+        "keep training while a failed one restarts and takes their state (one torchrun job per group; needs "
+        "torchft, TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID and NUM_REPLICA_GROUPS: see machinery/replicas.py)",
+        choices=FAULT_TOLERANCE,
     )
     threads_per_rank: int = option(0, "CPU threads per rank; 0 = this machine's cores / ranks on it", min=0, max=4096)
     deterministic: bool = option(

@@ -134,17 +134,33 @@ class Batches:
         )
         self._iterator: Iterator[Any] = iter(())  # replaced by the first step's epoch start
         self._steps_left = 0
+        self._last: list = []
+        self._again: list | None = None
 
     def __iter__(self) -> "Batches":
         return self
 
     def __next__(self) -> list:
+        if self._again is not None:
+            step, self._again = self._again, None
+            return step
         while self._steps_left == 0:
             self._start_epoch()
         self._steps_left -= 1
         self.progress.samples_in_epoch += self.global_batch
         self.progress.samples_seen += self.global_batch
-        return [next(self._iterator) for _ in range(self.cfg.grad_accum)]
+        self._last = [next(self._iterator) for _ in range(self.cfg.grad_accum)]
+        return self._last
+
+    def again(self) -> None:
+        """The next step takes the last step's micro-batches once more: that step was dropped (with replica groups,
+        when a group failed during it), so the data position stays a function of the steps taken."""
+        self._again = self._last
+
+    def restart(self) -> None:
+        """Go on from the position in `progress` as it is now (it was loaded from elsewhere): the next step starts
+        a new pass of the loader there."""
+        self._iterator, self._steps_left, self._again = iter(()), 0, None
 
     def _start_epoch(self) -> None:
         progress = self.progress

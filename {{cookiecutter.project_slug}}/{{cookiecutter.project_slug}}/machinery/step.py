@@ -23,6 +23,7 @@ from .batches import Progress, to_device
 from .distributed import DistEnv
 from .hooks import UserCode
 from .parallel import Parallel
+from .replicas import ReplicaGroup
 from .settings import RunError
 
 
@@ -46,6 +47,8 @@ class Stepper:
         self.loss_steps = 0
         self.grad_norm = torch.zeros((), device=env.device)
         self.lr = optimizer.param_groups[0]["lr"]  # the learning rate of the last step (the first group's)
+        self.replicas: ReplicaGroup | None = None  # --fault-tolerance torchft: the gradients' average over the groups
+        self._step_loss = torch.zeros((), device=env.device)
 
     def forward_backward(self, micro_batches: list) -> None:
         """Forward and backward over the micro-batches of one optimizer step; gradients sync on the last one."""
@@ -73,6 +76,7 @@ class Stepper:
                 step_loss += loss.detach()
         if token_weighted:
             step_loss = self._token_weighted(sums).to(step_loss.dtype)
+        self._step_loss = step_loss
         self.loss_sum += step_loss
 
     def _token_weighted(self, sums: torch.Tensor) -> torch.Tensor:
@@ -89,8 +93,16 @@ class Stepper:
                 parameter.grad.mul_(factor)
         return torch.tensor(total_loss / total_count, device=self.env.device)
 
-    def optimizer_step(self) -> None:
-        """Clip, step, move the learning-rate schedule on, and count the step."""
+    def optimizer_step(self) -> bool:
+        """Clip, step, move the learning-rate schedule on, and count the step. With replica groups, first average
+        the gradients over the live groups; False when the groups drop the step (one failed during it)."""
+        if self.replicas is not None:
+            model = self.parallel.model
+            parameters = [p for p in model.parameters() if p.requires_grad]
+            if not self.replicas.average_and_commit(parameters, list(model.buffers())):
+                self.optimizer.zero_grad(set_to_none=True)
+                self.loss_sum -= self._step_loss
+                return False
         if self.cfg.clip_grad:
             self.scaler.unscale_(self.optimizer)
             norm = nn.utils.clip_grad_norm_(self.parallel.model.parameters(), self.cfg.clip_grad)
@@ -102,6 +114,7 @@ class Stepper:
         self.scheduler.step()  # once per optimizer step: the learning rate of the next one
         self.progress.step += 1
         self.loss_steps += 1
+        return True
 
     def mean_loss(self) -> float:
         """The mean training loss since the last log, over every rank; a NaN or infinite one is an error."""

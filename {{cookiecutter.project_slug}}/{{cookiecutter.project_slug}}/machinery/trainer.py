@@ -18,6 +18,7 @@ What a resume takes from the snapshot, and what from the command line (or --conf
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -27,9 +28,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_map
 from torch.utils.data import IterableDataset
 
-from . import distributed, joblock, logs, runfiles, tracking, watchdog
+from . import distributed, joblock, logs, replicas, runfiles, tracking, watchdog
 from .batches import Batches, Progress, RunLength
 from .distributed import DistEnv
 from .evaluate import evaluate
@@ -74,12 +76,21 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.train_data, self.val_data = self.user.build_datasets(cfg)
         self.stream = isinstance(self.train_data, IterableDataset)
-        self.global_batch = env.world_size * cfg.batch_size * cfg.grad_accum
+        # Whose share of each step's data this rank trains on: its own among the job's ranks, or, with replica
+        # groups (--fault-tolerance torchft), among every group's ranks.
+        self.group = replicas.group_info() if replicas.requested(cfg) else None
+        self.data_env = env
+        if self.group is not None:
+            replicas.check_supported(cfg, self.stream)
+            self.data_env = dataclasses.replace(
+                env, rank=self.group.group * env.world_size + env.rank, world_size=self.group.groups * env.world_size
+            )
+        self.global_batch = self.data_env.world_size * cfg.batch_size * cfg.grad_accum
         if not self.stream and len(self.train_data) < self.global_batch:
             raise RunError(
                 f"the training data has {len(self.train_data)} samples, fewer than one optimizer step takes "
-                f"({env.world_size} rank(s) x {flag('batch_size')} {cfg.batch_size} x {flag('grad_accum')} "
-                f"{cfg.grad_accum} = {self.global_batch}): lower them"
+                f"({self.data_env.world_size} rank(s) x {flag('batch_size')} {cfg.batch_size} x "
+                f"{flag('grad_accum')} {cfg.grad_accum} = {self.global_batch}): lower them"
             )
         self.model = self.user.build_model(cfg, self.train_data).to(env.device)
         self.parallel = Parallel(self.model, cfg, env, self.user)  # fsdp shards here, before the optimizer
@@ -107,12 +118,24 @@ class Trainer:
         self.parallel.wrap(resumed=self.resumed_from >= 0)
         self.last_saved = self.resumed_from if self.resumed_from >= 0 else None
         self.hang_watch = watchdog.HangWatch(env.rank, timeout * 0.8, cfg.log_file)  # stacks, before the timeout
+        self.replicas: replicas.ReplicaGroup | None = None
+        if self.group is not None:  # from here on, the groups meet at every step
+            self.replicas = replicas.ReplicaGroup(
+                self.group,
+                env,
+                self.progress.step,
+                distributed.collective_timeout(cfg),
+                self._shared_state,
+                self._load_shared_state,
+                self._healed,
+            )
+            self.stepper.replicas = self.replicas
         self._timer = time.perf_counter()
         # The random streams last, right before the first step, so nothing in between can draw from them.
         if rng_state is not None:
             restore_rng(rng_state)
         else:  # a fresh start, or a resume with another number of ranks: new streams, distinct per rank and step
-            seed_everything(cfg.seed + env.rank + 1_000_003 * self.progress.step)
+            seed_everything(cfg.seed + self.data_env.rank + 1_000_003 * self.progress.step)
 
     def _build_and_restore(self) -> dict | None:
         """The run id, the optimizer, the schedule and the data, restored from the newest good snapshot if there is
@@ -145,7 +168,7 @@ class Trainer:
                 self.train_data, cfg, env, self.progress, self.user.collate
             )
         else:
-            self.batches = Batches(self.train_data, cfg, env, self.progress, self.user.collate)
+            self.batches = Batches(self.train_data, cfg, self.data_env, self.progress, self.user.collate)
 
         # What a snapshot holds, in the order it is restored (state.py): add your own parts here.
         self.state = TrainState(env, self.sharded)
@@ -209,16 +232,52 @@ class Trainer:
                 self.env.world_size,
             )
 
+    # -- replica groups (--fault-tolerance torchft) --------------------------------------------------------------
+
+    def _shared_state(self) -> dict[str, Any]:
+        """What a restarted replica group takes from this one: the snapshot's shared parts, copied as they are now
+        (the transfer may still run when this group's next optimizer step changes its tensors in place)."""
+        state = self.state.capture()[0]
+        return tree_map(lambda value: value.clone() if isinstance(value, torch.Tensor) else value, state)
+
+    def _load_shared_state(self, state: dict[str, Any]) -> None:
+        """A live group's state, the progress first, as a resume from a snapshot: the default learning-rate schedule
+        is a function of the samples seen."""
+        parts = self.state.shared
+        parts["progress"].load_state_dict(state["progress"])
+        for name, part in parts.items():
+            if name != "progress":
+                part.load_state_dict(state[name])
+
+    def _healed(self) -> None:
+        """This group took a live group's state: go on from its step and its place in the data."""
+        self.total_steps = self.length.steps(self.progress, self.global_batch)
+        if isinstance(self.batches, Batches):
+            self.batches.restart()
+        self.last_saved = None
+        group = self.group.group if self.group is not None else 0
+        log.info("replica group %d rejoined at step %d with a live group's state", group, self.progress.step)
+
+    def start_step(self) -> None:
+        """With replica groups: this step's quorum of the live groups, and the state of a live one if this group
+        is behind (a no-op otherwise)."""
+        if self.replicas is not None:
+            self.replicas.start_step()
+
     # -- one optimizer step ------------------------------------------------------------------------------------
 
     def forward_backward(self, micro_batches: list) -> None:
         """Forward and backward over the micro-batches of one optimizer step (step.py)."""
         self.stepper.forward_backward(micro_batches)
 
-    def optimizer_step(self) -> None:
-        """Clip, step, move the schedule and the step count on (step.py)."""
-        self.stepper.optimizer_step()
+    def optimizer_step(self) -> bool:
+        """Clip, step, move the schedule and the step count on (step.py); False: the step was dropped (with replica
+        groups, when a group failed during it)."""
+        stepped = self.stepper.optimizer_step()
         self.hang_watch.beat()
+        if not stepped and isinstance(self.batches, Batches):
+            self.batches.again()  # the dropped step's data, once more
+        return stepped
 
     def due(self, every: int) -> bool:
         """True at every `every`-th step and at the last one (`every` = 0: only at the last one)."""
@@ -335,6 +394,8 @@ class Trainer:
         return summary
 
     def close(self) -> None:
+        if self.replicas is not None:
+            self.replicas.close()
         self.hang_watch.close()
         self.tracker.finish()
         self.exports.close()
@@ -451,11 +512,13 @@ def train(cfg: Any, env: DistEnv) -> Summary:
     ):
         progress, snapshots = trainer.progress, trainer.snapshots
         while progress.step < trainer.total_steps and not stop.stopped:
+            trainer.start_step()  # --fault-tolerance torchft: the quorum of replica groups (a no-op otherwise)
             trainer.forward_backward(next(trainer.batches))
             # Between backward and the optimizer step, always: the save in flight must have copied the weights
             # before the optimizer changes them in place (a test fails when it moves).
             snapshots.wait_until_copied()
-            trainer.optimizer_step()
+            if not trainer.optimizer_step():
+                continue  # a replica group failed during this step: it is dropped, and taken again with the same data
             bar.update()
 
             if trainer.due(cfg.log_every):

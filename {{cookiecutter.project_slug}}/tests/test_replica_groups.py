@@ -1,0 +1,157 @@
+"""Replica groups that keep training (--fault-tolerance torchft): a lighthouse, two groups of one rank each, each its
+own torchrun job; one group's worker is SIGKILLed, the other goes on, the restarted one takes its state and both
+finish with the same weights."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import QUICK, child_env, finish, free_port, rank_pids, start, train_cmd, wait_for
+
+pytest.importorskip("torchft", reason="--fault-tolerance torchft needs torchft (the project's [ft] extra)")
+
+GROUPS = 2
+
+
+def lighthouse(port):
+    binary = Path(sys.executable).parent / "torchft_lighthouse"
+    command = str(binary) if binary.exists() else shutil.which("torchft_lighthouse")
+    assert command, "torchft_lighthouse is not installed (it comes with torchft)"
+    # The heartbeat timeout is how long the live group waits for a quorum without the dead one.
+    return subprocess.Popen(
+        [command, "--min_replicas", "1", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "1000"]
+        + ["--bind", f"[::]:{port}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+class StepClock:
+    """When each step of a group's metrics file first appears (polled), and the group's records."""
+
+    def __init__(self, path):
+        self.path, self._seen, self._stop, self._lock = path, {}, threading.Event(), threading.Lock()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def records(self):
+        import json
+
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.endswith("}")]
+
+    @property
+    def seen(self):
+        """{step: when it first appeared}"""
+        with self._lock:
+            return dict(self._seen)
+
+    def steps(self):
+        return {record["step"] for record in self.records()}
+
+    def last_step(self):
+        records = self.records()
+        return records[-1]["step"] if records else -1
+
+    def _poll(self):
+        while not self._stop.is_set():
+            now = time.monotonic()
+            records = self.records()
+            with self._lock:
+                for record in records:
+                    self._seen.setdefault(record["step"], now)
+            time.sleep(0.01)
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()
+
+
+def group_jobs(port, args, restarts):
+    jobs = []
+    for group in range(GROUPS):
+        env = child_env(
+            TORCHFT_LIGHTHOUSE=f"http://localhost:{port}", REPLICA_GROUP_ID=group, NUM_REPLICA_GROUPS=GROUPS
+        )
+        jobs.append(start(train_cmd(1, [f"--max-restarts={restarts}"]) + args, env=env))
+    return jobs
+
+
+def workers(job):
+    return rank_pids(lambda pid, parent, cmdline: parent == job.pid)
+
+
+@pytest.mark.slow
+def test_live_group_trains_on_while_a_killed_group_restarts_and_heals(tmp_path, cleanup):
+    port = free_port()
+    cleanup.append(lighthouse(port))
+    args = QUICK + ["--log-every", "1", "--eval-every", "0", "--threads-per-rank", "1", "--fault-tolerance", "torchft"]
+    args += ["--snapshot-every", "10", "--snapshot-dir", str(tmp_path / "snapshots")]
+    args += ["--export-dir", str(tmp_path / "export"), "--metrics-file", str(tmp_path / "metrics.jsonl")]
+    args += ["--log-file", str(tmp_path / "train.log")]
+    jobs = group_jobs(port, args + ["--max-steps", "1000000"], restarts=1)
+    cleanup.extend(jobs)
+    clocks = [StepClock(tmp_path / f"metrics.group{group}.jsonl") for group in range(GROUPS)]
+    cleanup.extend(clocks)
+
+    # Both groups in one quorum, training (the later one took the earlier one's state, or they started together),
+    # for 30 steps: the groups are connected to each other. Then group 1's worker dies, and torchrun restarts it.
+    wait_for(lambda: len(clocks[1].steps()) >= 30, timeout=120, what="30 steps of group 1")
+    victim = workers(jobs[1])[0]
+    os.kill(victim, signal.SIGKILL)
+    killed_at, killed_step = time.monotonic(), clocks[0].last_step()
+    # Its restart resumes from its own newest snapshot (at most killed_step), then takes the live group's state:
+    # its metrics go on at a step it never trained itself.
+    rejoined = wait_for(
+        lambda: [step for step in clocks[1].seen if step > killed_step and step in clocks[1].steps()],
+        timeout=120,
+        what="group 1 to rejoin",
+    )
+    rejoined_step = min(rejoined)
+    wait_for(lambda: clocks[1].last_step() >= rejoined_step + 20, timeout=120, what="20 steps after the rejoin")
+
+    # The live group trained on while group 1 was down, without a stall near the length of group 1's restart
+    # (an interpreter start, imports, rendezvous and the state transfer).
+    assert rejoined_step - killed_step >= 10, (killed_step, rejoined_step)
+    during = sorted(t for step, t in clocks[0].seen.items() if killed_step < step <= rejoined_step)
+    gaps = [b - a for a, b in zip([killed_at, *during], during, strict=False)]
+    restart = clocks[1].seen[rejoined_step] - killed_at
+    print(
+        f"\nkilled at step {killed_step}, group 1 rejoined at step {rejoined_step} {restart:.2f} s later; the live "
+        f"group's longest gap: {max(gaps):.2f} s"
+    )
+    assert max(gaps) < restart / 2, (max(gaps), restart)
+
+    # Both groups stop (SIGTERM) with a snapshot, and a new launch of both finishes the run from there: the group
+    # that stopped behind takes the other's state, and both end with the same weights.
+    for job in jobs:
+        for pid in workers(job).values():
+            os.kill(pid, signal.SIGTERM)
+    for job in jobs:
+        finish(job)
+    for clock in clocks:
+        clock.close()
+    end = max(clock.last_step() for clock in clocks) + 10
+    results = [finish(job) for job in group_jobs(port, args + ["--max-steps", str(end)], restarts=0)]
+    for group, (code, out) in enumerate(results):
+        assert code == 0, f"group {group}:\n{out[-5000:]}"
+    finals = [torch.load(tmp_path / "export" / f"group{g}" / "model.pt", weights_only=True) for g in range(GROUPS)]
+    assert [clock.last_step() for clock in clocks] == [end] * GROUPS
+    assert finals[0].keys() == finals[1].keys()
+    assert all(torch.equal(finals[0][name], finals[1][name]) for name in finals[0])
+
+
+def test_replica_groups_without_their_environment_are_refused_in_one_line(tmp_path):
+    env = child_env(TORCHFT_LIGHTHOUSE="http://localhost:1", REPLICA_GROUP_ID="two", NUM_REPLICA_GROUPS=2)
+    code, out = finish(start(train_cmd() + QUICK + ["--fault-tolerance", "torchft"], env=env, cwd=tmp_path))
+    assert code == 2, out
+    assert "REPLICA_GROUP_ID" in out and "Traceback" not in out
+    assert not (tmp_path / "snapshots").exists()

@@ -1,0 +1,257 @@
+"""Replica groups that keep training when one fails (`--fault-tolerance torchft`, opt-in), built on torchft.
+
+Without it, a torchrun job restarts every rank when one dies and resumes from the newest snapshot. With it, the
+job is split into replica groups: each group is a torchrun job of its own (its own ranks, DDP among them, its own
+restarts), and the groups average their gradients with each other through torchft, which forms a quorum of the
+live groups at every step (through its lighthouse). When a group's rank dies, only that group restarts; the other
+groups go on training, and the restarted group fetches the current weights, optimizer state and data position from
+a live group (over HTTP, not from disk) and rejoins at the step they are at.
+
+    torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 --heartbeat_timeout_ms 1000 &   # one per job
+    export TORCHFT_LIGHTHOUSE=http://HOST:29510 NUM_REPLICA_GROUPS=2
+    REPLICA_GROUP_ID=0 torchrun --standalone --nproc_per_node=N --max-restarts=3 train.py --fault-tolerance torchft &
+    REPLICA_GROUP_ID=1 torchrun --standalone --nproc_per_node=N --max-restarts=3 train.py --fault-tolerance torchft
+
+What changes against plain torchrun:
+- The data: the step's global batch is every group's share (NUM_REPLICA_GROUPS x ranks x --batch-size x
+  --grad-accum samples). A step taken while a group is down trains without that group's share; a step during which
+  a group fails is dropped by the others and taken again with the same data. So a run with a failure no longer
+  matches an uninterrupted one bit for bit. Without failures every group holds the same weights after every step
+  (gradients and floating-point buffers such as BatchNorm's statistics are averaged over the groups).
+- The loss curve across a failure goes on from where it was: the live groups never stop (they wait for the dead
+  group's heartbeat to time out, the lighthouse's --heartbeat_timeout_ms), and the restarted group's first logged
+  step continues at their step number.
+- A job's groups start together: at its first step a group waits (up to --dist-timeout) until every group is in the
+  quorum, unless it finds groups that are already ahead, whose state it then takes.
+- Each group writes its own files, under a `group<ID>` name: snapshots in `<snapshot-dir>/group<ID>`, exports in
+  `<export-dir>/group<ID>`, metrics in `<metrics-file stem>.group<ID>.jsonl`, the log likewise. Snapshots still
+  guard against losing every group at once: groups launched again resume from their newest snapshots, and the ones
+  behind take the state of the one furthest on.
+- wandb logs from group 0 only.
+- The cost when nothing fails: a quorum and one more all-reduce (gradients and buffers) per step; bench/RECOVERY.md
+  measures it.
+- Token-weighted losses (compute_loss returning a sum and a count) are averaged within each group over the group's
+  tokens, then over the groups equally.
+
+Not available in this mode (refused at start): --strategy fsdp, streaming (IterableDataset) training data. A group
+that dies while the groups connect to each other (within a step of the quorum changing) can leave the others
+waiting for up to 30 s (TIMEOUT below) before they drop that step and go on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from .settings import RunError, flag
+
+log = logging.getLogger(__name__)
+
+MODES = ("off", "torchft")
+LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
+GROUP_ID = "REPLICA_GROUP_ID"
+GROUPS = "NUM_REPLICA_GROUPS"
+# How long a gradient average or a state transfer between groups may take before it counts as failed, and the step
+# is dropped. A group that dies mid-step closes its sockets, which the others notice at once; this bounds a group
+# that hangs, or one that dies while the groups connect to each other after the quorum changed.
+TIMEOUT = datetime.timedelta(seconds=30)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupInfo:
+    group: int
+    groups: int
+    lighthouse: str
+
+
+def requested(cfg: Any) -> bool:
+    return getattr(cfg, "fault_tolerance", "off") == "torchft"
+
+
+def group_info() -> GroupInfo:
+    """This replica group's id, the number of groups and the lighthouse, from torchft's environment variables."""
+    lighthouse = os.environ.get(LIGHTHOUSE, "")
+    if not lighthouse:
+        raise RunError(
+            f"{flag('fault_tolerance')} torchft needs {LIGHTHOUSE}=http://HOST:PORT, the address of a running "
+            "torchft_lighthouse (one per job; see machinery/replicas.py)"
+        )
+    values = {}
+    for name in (GROUP_ID, GROUPS):
+        text = os.environ.get(name, "")
+        try:
+            values[name] = int(text)
+        except ValueError:
+            raise RunError(
+                f"{flag('fault_tolerance')} torchft needs {name} set to an integer, found {text!r} "
+                f"({GROUP_ID}: this group's id, 0 to {GROUPS} - 1)"
+            ) from None
+    group, groups = values[GROUP_ID], values[GROUPS]
+    if groups < 1 or not 0 <= group < groups:
+        raise RunError(f"{GROUP_ID}={group} with {GROUPS}={groups}: the id must be 0 to {GROUPS} - 1")
+    if "MASTER_ADDR" not in os.environ:
+        raise RunError(
+            f"{flag('fault_tolerance')} torchft runs each replica group under torchrun: "
+            "torchrun --standalone --nproc_per_node=N train.py --fault-tolerance torchft"
+        )
+    return GroupInfo(group, groups, lighthouse)
+
+
+def per_group_paths(cfg: Any, group: int) -> None:
+    """Give the group its own snapshot folder, export folder, metrics file and log file (in place)."""
+    tag = f"group{group}"
+    cfg.snapshot_dir = os.path.join(cfg.snapshot_dir, tag)
+    cfg.export_dir = os.path.join(cfg.export_dir, tag)
+    for name in ("metrics_file", "log_file"):
+        path = getattr(cfg, name)
+        if path:
+            stem, suffix = os.path.splitext(path)
+            setattr(cfg, name, f"{stem}.{tag}{suffix}")
+    if group != 0:
+        cfg.wandb = "disabled"
+
+
+def check_supported(cfg: Any, stream: bool) -> None:
+    if cfg.strategy != "ddp":
+        raise RunError(
+            f"{flag('fault_tolerance')} torchft works with {flag('strategy')} ddp only (each replica group holds the "
+            "whole model)"
+        )
+    if stream:
+        raise RunError(
+            f"{flag('fault_tolerance')} torchft needs map-style training data: a stream's place is each rank's own, "
+            "and a restarted group could not take it over from a live one"
+        )
+
+
+class ReplicaGroup:
+    """This group's torchft Manager: a quorum of the live groups per step, their gradient average, and healing.
+
+    `state_dict` / `load_state_dict` are what a restarted group fetches from a live one (the snapshot's shared
+    parts: weights, optimizer, schedule, data position); `on_heal` runs after such a fetch.
+    """
+
+    def __init__(
+        self,
+        info: GroupInfo,
+        env: Any,
+        step: int,
+        quorum_timeout: datetime.timedelta,
+        state_dict: Callable[[], dict[str, Any]],
+        load_state_dict: Callable[[dict[str, Any]], None],
+        on_heal: Callable[[], None],
+    ):
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's own (Rust) side logs every quorum at INFO
+        try:
+            import torchft
+        except ImportError as exc:
+            raise RunError(
+                f"{flag('fault_tolerance')} torchft needs the torchft package: pip install torchft "
+                f"(or the project's [ft] extra); importing it failed: {exc}"
+            ) from None
+        for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+            logging.getLogger(name).setLevel(logging.ERROR)  # torchft logs every step at INFO, and CUDA-only warnings
+        # torchft's state transfer reads tensors from a read-only buffer, which torch warns about on every transfer
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+        self.info, self.env, self._quorum_timeout = info, env, quorum_timeout
+        self._first = True
+        self._load, self._on_heal = load_state_dict, on_heal
+        self.healed = 0
+        if env.device.type == "cuda":
+            pg = torchft.ProcessGroupNCCL(timeout=TIMEOUT)
+        else:
+            pg = torchft.ProcessGroupGloo(timeout=TIMEOUT)
+        self.manager = torchft.Manager(
+            pg=pg,
+            load_state_dict=self._heal,
+            state_dict=state_dict,
+            min_replica_size=1,
+            # The quorum, and a restarted group's fetch of a live group's state, before the step takes its data:
+            # a healed group then trains this step on its own share, at the live groups' place in the data.
+            use_async_quorum=False,
+            replica_id=f"group{info.group}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=TIMEOUT,
+            quorum_timeout=quorum_timeout,  # how long a group waits for the others to form a quorum: --dist-timeout
+            init_sync=False,  # every group builds the same initial weights from --seed
+        )
+        self.manager.load_state_dict({"step": step, "batches_committed": step * info.groups})
+
+    def start_step(self) -> None:
+        """The quorum for this step; a group that is behind takes a live group's state here."""
+        self.manager.start_quorum()
+        if self._first:
+            self._first = False
+            self._wait_for_every_group()
+
+    def _wait_for_every_group(self) -> None:
+        """A job's groups start together: at its first step, a group that finds no group ahead of it (nobody has
+        trained without it) waits until every group is in the quorum, for up to the quorum timeout; then it goes
+        on with those there. A group that finds others ahead took their state and joins them at once."""
+        start, groups = self.manager.current_step(), self.info.groups
+        deadline = time.monotonic() + self._quorum_timeout.total_seconds()
+        if self.manager.num_participants() < groups:
+            log.info(
+                "replica group %d waiting for the other replica groups (%d of %d here)",
+                self.info.group,
+                self.manager.num_participants(),
+                groups,
+            )
+        while (
+            self.manager.num_participants() < groups
+            and self.manager.current_step() == start
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.1)
+            self.manager.start_quorum()
+        if self.manager.num_participants() < groups and self.manager.current_step() == start:
+            log.warning(
+                "replica group %d starts with %d of %d replica groups: the others did not join within %s",
+                self.info.group,
+                self.manager.num_participants(),
+                groups,
+                self._quorum_timeout,
+            )
+
+    def average_and_commit(self, parameters: list, buffers: list) -> bool:
+        """Average the gradients, and the floating-point buffers (BatchNorm's running statistics, which each group
+        updates on its own data), over the live groups, so that every group holds the same model; True when every
+        group of the quorum may step its optimizer. False: the step is dropped (a group failed during it)."""
+        import torch
+
+        tensors = []
+        for parameter in parameters:
+            if parameter.grad is None:  # unused in this group's batch: zero, as DDP treats it
+                parameter.grad = torch.zeros_like(parameter)
+            tensors.append(parameter.grad)
+        tensors += [buffer.data for buffer in buffers if buffer.is_floating_point()]
+        by_kind: dict[tuple, list] = {}
+        for tensor in tensors:
+            by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+        for same in by_kind.values():
+            flat = torch.cat([tensor.reshape(-1) for tensor in same])
+            self.manager.allreduce(flat).wait()  # an error is recorded, not raised: should_commit says False
+            offset = 0
+            for tensor in same:
+                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()
+        return self.manager.should_commit()
+
+    @property
+    def participants(self) -> int:
+        return self.manager.num_participants()
+
+    def _heal(self, state: dict[str, Any]) -> None:
+        self._load(state)
+        self.healed += 1
+        self._on_heal()
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
