@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUICK, child_env, finish, free_port, rank_pids, start, train_cmd, wait_for
+from conftest import QUICK, ROOT, child_env, finish, free_port, rank_pids, start, train_cmd, wait_for
 
 pytest.importorskip("torchft", reason="--fault-tolerance torchft needs torchft (the project's [ft] extra)")
 
@@ -75,14 +75,28 @@ class StepClock:
         self._thread.join()
 
 
-def group_jobs(port, args, restarts):
+def group_jobs(port, args, restarts, folder):
+    """One torchrun job per group; its output goes to a file (a pipe nobody reads would fill up and block it)."""
     jobs = []
     for group in range(GROUPS):
         env = child_env(
             TORCHFT_LIGHTHOUSE=f"http://localhost:{port}", REPLICA_GROUP_ID=group, NUM_REPLICA_GROUPS=GROUPS
         )
-        jobs.append(start(train_cmd(1, [f"--max-restarts={restarts}"]) + args, env=env))
+        output = open(folder / f"group{group}-{restarts}.out", "w")
+        command = train_cmd(1, [f"--max-restarts={restarts}"]) + args
+        jobs.append(subprocess.Popen(command, env=env, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT))
+        jobs[-1].output = output.name
     return jobs
+
+
+def finished(job, timeout=300):
+    """(exit code, output) of a group's job."""
+    try:
+        job.wait(timeout)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        pytest.fail(f"timed out after {timeout} s:\n{Path(job.output).read_text()[-5000:]}")
+    return job.returncode, Path(job.output).read_text()
 
 
 def workers(job):
@@ -97,7 +111,7 @@ def test_live_group_trains_on_while_a_killed_group_restarts_and_heals(tmp_path, 
     args += ["--snapshot-every", "10", "--snapshot-dir", str(tmp_path / "snapshots")]
     args += ["--export-dir", str(tmp_path / "export"), "--metrics-file", str(tmp_path / "metrics.jsonl")]
     args += ["--log-file", str(tmp_path / "train.log")]
-    jobs = group_jobs(port, args + ["--max-steps", "1000000"], restarts=1)
+    jobs = group_jobs(port, args + ["--max-steps", "1000000"], restarts=1, folder=tmp_path)
     cleanup.extend(jobs)
     clocks = [StepClock(tmp_path / f"metrics.group{group}.jsonl") for group in range(GROUPS)]
     cleanup.extend(clocks)
@@ -136,11 +150,11 @@ def test_live_group_trains_on_while_a_killed_group_restarts_and_heals(tmp_path, 
         for pid in workers(job).values():
             os.kill(pid, signal.SIGTERM)
     for job in jobs:
-        finish(job)
+        finished(job)
     for clock in clocks:
         clock.close()
     end = max(clock.last_step() for clock in clocks) + 10
-    results = [finish(job) for job in group_jobs(port, args + ["--max-steps", str(end)], restarts=0)]
+    results = [finished(job) for job in group_jobs(port, args + ["--max-steps", str(end)], 0, tmp_path)]
     for group, (code, out) in enumerate(results):
         assert code == 0, f"group {group}:\n{out[-5000:]}"
     finals = [torch.load(tmp_path / "export" / f"group{g}" / "model.pt", weights_only=True) for g in range(GROUPS)]

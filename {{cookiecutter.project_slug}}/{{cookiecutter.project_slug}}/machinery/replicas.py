@@ -156,7 +156,9 @@ class ReplicaGroup:
                 f"(or the project's [ft] extra); importing it failed: {exc}"
             ) from None
         for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
-            logging.getLogger(name).setLevel(logging.ERROR)  # torchft logs every step at INFO, and CUDA-only warnings
+            # torchft logs every step at INFO, CUDA-only warnings, and a peer's failure as an error with a traceback
+            # on every rank: this class says what happened instead, once per group
+            logging.getLogger(name).setLevel(logging.CRITICAL)
         # torchft's state transfer reads tensors from a read-only buffer, which torch warns about on every transfer
         warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
         self.info, self.env, self._quorum_timeout = info, env, quorum_timeout
@@ -242,7 +244,17 @@ class ReplicaGroup:
             for tensor in same:
                 tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
                 offset += tensor.numel()
-        return self.manager.should_commit()
+        committed = self.manager.should_commit()
+        if not committed and self.env.rank == 0:
+            error = self.manager.errored()
+            cause = getattr(error, "original_exception", error) if error is not None else "another group's"
+            log.warning(
+                "replica group %d: step %d dropped, to be taken again (a replica group failed during it: %s)",
+                self.info.group,
+                self.manager.current_step() + 1,
+                str(cause).strip().splitlines()[0][:200] if str(cause).strip() else type(cause).__name__,
+            )
+        return committed
 
     @property
     def participants(self) -> int:
