@@ -49,8 +49,9 @@ class Parallel:
         self._settle_pending = False
 
     def wrap(self, resumed: bool) -> None:
-        """DDP (under torchrun, with --strategy ddp), then torch.compile if asked."""
-        if self.env.is_distributed and not self.sharded:
+        """DDP (under torchrun with 2 or more ranks, with --strategy ddp), then torch.compile if asked. A job of one
+        rank trains the model as it is: DDP would only copy its gradients into buckets and average them over one."""
+        if self.env.world_size > 1 and not self.sharded:
             device_ids = [self.env.device.index] if self.env.device.type == "cuda" else None
             self.wrapped = DistributedDataParallel(self.model, device_ids=device_ids, gradient_as_bucket_view=True)
             self._settle_pending = resumed
@@ -64,7 +65,7 @@ class Parallel:
         if self.sharded:  # FSDP reduce-scatters gradients on the last micro-step only
             cast(FSDPModule, self.model).set_requires_gradient_sync(last)
             return contextlib.nullcontext()
-        if last or not self.env.is_distributed:
+        if last or not isinstance(self.wrapped, DistributedDataParallel):
             return contextlib.nullcontext()
         return cast(DistributedDataParallel, self.wrapped).no_sync()
 
