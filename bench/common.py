@@ -216,5 +216,16 @@ class CpuMeter:
         }
 
 
+def wait_for(predicate, timeout, what, poll=0.005):
+    """The predicate's first true value, polled every `poll` seconds; TimeoutError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise TimeoutError(f"waited {timeout} s for {what}")
+
+
 def scratch_dir(prefix):
     return Path(tempfile.mkdtemp(prefix=prefix))

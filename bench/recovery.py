@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import BENCH, CpuMeter, bake, child_env, machine, scratch_dir, worker_pids  # noqa: E402
+from common import BENCH, CpuMeter, bake, child_env, machine, scratch_dir, wait_for, worker_pids  # noqa: E402
 
 PROBE = BENCH / "recovery_probe.py"
 ARGS = ["--max-steps", "1000000", "--snapshot-every", "20", "--log-every", "1", "--wandb", "disabled"]
@@ -60,16 +60,6 @@ def phases(probe_dir, attempt):
             result[phase] = max(values)
     result["resumed_from"] = records[0]["step_count"] - 1
     return result, len(records)
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.005)
-    raise TimeoutError(what)
 
 
 def agent_time(pattern, text, year):

@@ -7,7 +7,7 @@ live groups at every step (through its lighthouse). When a group's rank dies, on
 groups go on training, and the restarted group fetches the current weights, optimizer state and data position from
 a live group (over HTTP, not from disk) and rejoins at the step they are at.
 
-    torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 --heartbeat_timeout_ms 1000 &   # one per job
+    torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 --heartbeat_timeout_ms 500 &   # one per job
     export TORCHFT_LIGHTHOUSE=http://HOST:29510 NUM_REPLICA_GROUPS=2
     REPLICA_GROUP_ID=0 torchrun --standalone --nproc_per_node=N --max-restarts=3 train.py --fault-tolerance torchft &
     REPLICA_GROUP_ID=1 torchrun --standalone --nproc_per_node=N --max-restarts=3 train.py --fault-tolerance torchft
