@@ -25,6 +25,7 @@ T = TypeVar("T")
 
 LONG_TIMEOUT = datetime.timedelta(days=1)  # while a debugger may hold a rank at a breakpoint
 PROBE_TIMEOUT = datetime.timedelta(seconds=2)
+_store_address: tuple[str, int] | None = None  # this attempt's process group store, once it is up
 CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"  # cuBLAS's deterministic setting; ":16:8" is too, with less memory
 
 
@@ -106,10 +107,12 @@ def _fresh_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store:
     supports all start each restart with a fresh rendezvous store: torchrun 2.13 and 2.14 still reuse it
     (pytorch/pytorch#135712) unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is set in the agent's environment.
     """
+    global _store_address
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if not agent_store:
         # Rank 0 hosts the bootstrap store itself, new for every attempt: nothing stale can be in it.
+        _store_address = (host, port)
         return dist.TCPStore(host, port, env.world_size, is_master=env.rank == 0, timeout=timeout)
     bootstrap = dist.TCPStore(host, port, is_master=False, timeout=timeout)
     key = "ddp_template/process_group_store"
@@ -118,6 +121,7 @@ def _fresh_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store:
         token = secrets.token_hex(8)
         store.set("token", token)
         bootstrap.set(key, f"{_advertised_host(host)}:{store.port}:{token}")
+        _store_address = (_advertised_host(host), store.port)
         return store
     deadline = datetime.datetime.now() + timeout
     while True:
@@ -127,6 +131,7 @@ def _fresh_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store:
                 store = dist.TCPStore(addr, int(port_text), is_master=False, timeout=PROBE_TIMEOUT)
                 if store.get("token").decode() == token:
                     store.set_timeout(timeout)
+                    _store_address = (addr, int(port_text))
                     return store
             except (RuntimeError, dist.DistStoreError):
                 pass  # an address from an earlier attempt; rank 0 of this one will publish its own
@@ -134,6 +139,14 @@ def _fresh_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store:
             time.sleep(0.02)  # a store that is gone: rank 0 of this attempt has yet to publish its own
         if datetime.datetime.now() > deadline:
             raise TimeoutError(f"rank {env.rank} found no process group store from rank 0 within {timeout}")
+
+
+def store_address() -> tuple[str, int]:
+    """(host, port) of this attempt's process group store (under torchrun, once the process group is up): for
+    others that keep their keys per attempt too (replicas.py)."""
+    if _store_address is None:
+        raise RuntimeError("no process group store: start the process group first (distributed.init)")
+    return _store_address
 
 
 def _accepts_connections(host: str, port: int) -> bool:

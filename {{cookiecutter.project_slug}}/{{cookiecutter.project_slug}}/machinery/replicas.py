@@ -49,6 +49,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from . import distributed
 from .settings import RunError, flag
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,7 @@ class ReplicaGroup:
         self._first = True
         self._load, self._on_heal = load_state_dict, on_heal
         self.healed = 0
+        store_host, store_port = distributed.store_address()
         if env.device.type == "cuda":
             pg = torchft.ProcessGroupNCCL(timeout=TIMEOUT)
         else:
@@ -180,6 +182,10 @@ class ReplicaGroup:
             replica_id=f"group{info.group}",
             rank=env.rank,
             world_size=env.world_size,
+            # This attempt's own store, not torchrun's, which keeps the keys of a failed attempt (the address of
+            # its dead manager server) across restarts
+            store_addr=store_host,
+            store_port=store_port,
             timeout=TIMEOUT,
             quorum_timeout=quorum_timeout,  # how long a group waits for the others to form a quorum: --dist-timeout
             init_sync=False,  # every group builds the same initial weights from --seed
@@ -196,31 +202,33 @@ class ReplicaGroup:
     def _wait_for_every_group(self) -> None:
         """A job's groups start together: at its first step, a group that finds no group ahead of it (nobody has
         trained without it) waits until every group is in the quorum, for up to the quorum timeout; then it goes
-        on with those there. A group that finds others ahead took their state and joins them at once."""
+        on with those there. A group that finds others ahead took their state and joins them at once, and so does
+        a group that torchrun restarted: it joins whoever trains."""
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            return
         start, groups = self.manager.current_step(), self.info.groups
         deadline = time.monotonic() + self._quorum_timeout.total_seconds()
-        if self.manager.num_participants() < groups:
+
+        def waiting() -> bool:  # the group's ranks decide together (their deadlines differ by a little)
+            alone = self.manager.num_participants() < groups and self.manager.current_step() == start
+            return distributed.all_true(self.env, alone and time.monotonic() < deadline)
+
+        if waiting():
+            here = self.manager.num_participants()
             log.info(
-                "replica group %d waiting for the other replica groups (%d of %d here)",
-                self.info.group,
-                self.manager.num_participants(),
-                groups,
+                "replica group %d waiting for the other replica groups (%d of %d here)", self.info.group, here, groups
             )
-        while (
-            self.manager.num_participants() < groups
-            and self.manager.current_step() == start
-            and time.monotonic() < deadline
-        ):
-            time.sleep(0.1)
-            self.manager.start_quorum()
-        if self.manager.num_participants() < groups and self.manager.current_step() == start:
-            log.warning(
-                "replica group %d starts with %d of %d replica groups: the others did not join within %s",
-                self.info.group,
-                self.manager.num_participants(),
-                groups,
-                self._quorum_timeout,
-            )
+            while waiting():
+                time.sleep(0.1)
+                self.manager.start_quorum()
+            if self.manager.num_participants() < groups and self.manager.current_step() == start:
+                log.warning(
+                    "replica group %d starts with %d of %d replica groups: the others did not join within %s",
+                    self.info.group,
+                    self.manager.num_participants(),
+                    groups,
+                    self._quorum_timeout,
+                )
 
     def average_and_commit(self, parameters: list, buffers: list) -> bool:
         """Average the gradients, and the floating-point buffers (BatchNorm's running statistics, which each group
