@@ -1,4 +1,4 @@
-"""Replica groups that keep training (--fault-tolerance torchft): a lighthouse, two groups of one rank each, each its
+"""Replica groups that keep training (--fault-tolerance torchft): a lighthouse, two groups of two ranks each, each its
 own torchrun job; one group's worker is SIGKILLed, the other goes on, the restarted one takes its state and both
 finish with the same weights."""
 
@@ -18,6 +18,7 @@ from conftest import QUICK, ROOT, child_env, finish, free_port, rank_pids, start
 pytest.importorskip("torchft", reason="--fault-tolerance torchft needs torchft (the project's [ft] extra)")
 
 GROUPS = 2
+RANKS = 2  # per group: DDP inside each group, torchft between the groups
 
 
 def lighthouse(port):
@@ -83,7 +84,7 @@ def group_jobs(port, args, restarts, folder):
             TORCHFT_LIGHTHOUSE=f"http://localhost:{port}", REPLICA_GROUP_ID=group, NUM_REPLICA_GROUPS=GROUPS
         )
         output = open(folder / f"group{group}-{restarts}.out", "w")
-        command = train_cmd(1, [f"--max-restarts={restarts}"]) + args
+        command = train_cmd(RANKS, [f"--max-restarts={restarts}"]) + args
         jobs.append(subprocess.Popen(command, env=env, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT))
         jobs[-1].output = output.name
     return jobs
@@ -119,7 +120,7 @@ def test_live_group_trains_on_while_a_killed_group_restarts_and_heals(tmp_path, 
     # Both groups in one quorum, training (the later one took the earlier one's state, or they started together),
     # for 30 steps: the groups are connected to each other. Then group 1's worker dies, and torchrun restarts it.
     wait_for(lambda: len(clocks[1].steps()) >= 30, timeout=120, what="30 steps of group 1")
-    victim = workers(jobs[1])[0]
+    victim = workers(jobs[1])[1]
     os.kill(victim, signal.SIGKILL)
     killed_at, killed_step = time.monotonic(), max(clock.last_step() for clock in clocks)
     # Its restart resumes from its own newest snapshot (at most killed_step), then takes the live group's state:

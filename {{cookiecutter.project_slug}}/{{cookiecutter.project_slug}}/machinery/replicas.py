@@ -44,6 +44,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -164,6 +165,7 @@ class ReplicaGroup:
         warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
         self.info, self.env, self._quorum_timeout = info, env, quorum_timeout
         self._first = True
+        self._closed = threading.Event()
         self._load, self._on_heal = load_state_dict, on_heal
         self.healed = 0
         store_host, store_port = distributed.store_address()
@@ -264,6 +266,34 @@ class ReplicaGroup:
             )
         return committed
 
+    def watch_siblings(self) -> None:
+        """Leave at once when another rank of this group on this machine dies.
+
+        The group is broken then, and torchrun restarts it; but a rank blocked in torchft's gradient average or its
+        commit call with the dead one would stay until torchft's timeout (TIMEOUT), its group still heartbeating to
+        the lighthouse, and the other groups would wait for it all that time. Ranks of the group on other machines
+        are left to that timeout.
+        """
+        parent = os.getppid()
+        siblings = [pid for pid in _children(parent) if pid != os.getpid()]
+        if not siblings or "TORCHELASTIC_RUN_ID" not in os.environ:
+            return
+
+        def watch() -> None:
+            while not self._closed.wait(0.1):
+                for pid in siblings:
+                    if not _is_child(pid, parent):
+                        log.error(
+                            "replica group %d: rank process %d of this group is gone: leaving at once, so that "
+                            "torchrun restarts the group",
+                            self.info.group,
+                            pid,
+                        )
+                        logging.shutdown()
+                        os._exit(1)
+
+        threading.Thread(target=watch, name="replica-group-siblings", daemon=True).start()
+
     @property
     def participants(self) -> int:
         return self.manager.num_participants()
@@ -274,4 +304,27 @@ class ReplicaGroup:
         self._on_heal()
 
     def close(self) -> None:
+        self._closed.set()
         self.manager.shutdown(wait=False)
+
+
+def _children(parent: int) -> list[int]:
+    """The processes whose parent is `parent` (Linux /proc; none elsewhere)."""
+    found: list[int] = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if entry.isdigit() and _is_child(int(entry), parent):
+            found.append(int(entry))
+    return found
+
+
+def _is_child(pid: int, parent: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        return int(fields[1]) == parent and fields[0] != "Z"  # a zombie has died already
+    except (OSError, ValueError, IndexError):
+        return False

@@ -130,6 +130,8 @@ class Trainer:
                 self._healed,
             )
             self.stepper.replicas = self.replicas
+            distributed.barrier(env)  # every rank of the group is up before each starts watching the others
+            self.replicas.watch_siblings()
         self._timer = time.perf_counter()
         # The random streams last, right before the first step, so nothing in between can draw from them.
         if rng_state is not None:
