@@ -167,7 +167,6 @@ class ReplicaGroup:
         self._first = True
         self._closed = threading.Event()
         self._load, self._on_heal = load_state_dict, on_heal
-        self.healed = 0
         store_host, store_port = distributed.store_address()
         if env.device.type == "cuda":
             pg = torchft.ProcessGroupNCCL(timeout=TIMEOUT)
@@ -294,13 +293,8 @@ class ReplicaGroup:
 
         threading.Thread(target=watch, name="replica-group-siblings", daemon=True).start()
 
-    @property
-    def participants(self) -> int:
-        return self.manager.num_participants()
-
     def _heal(self, state: dict[str, Any]) -> None:
         self._load(state)
-        self.healed += 1
         self._on_heal()
 
     def close(self) -> None:
