@@ -126,7 +126,7 @@ def _boot_id() -> str:
         return ""
 
 
-def _proc_stat(pid: int) -> list[str] | None:
+def proc_stat(pid: int) -> list[str] | None:
     """The fields of /proc/<pid>/stat after the command name (state first), or None where there is none."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
@@ -137,7 +137,7 @@ def _proc_stat(pid: int) -> list[str] | None:
 
 def _process_start(pid: int) -> int | None:
     """When a process started (clock ticks since boot): with its pid, it names one process, not a reused pid."""
-    fields = _proc_stat(pid)
+    fields = proc_stat(pid)
     try:
         return int(fields[19]) if fields else None
     except (IndexError, ValueError):
@@ -154,7 +154,7 @@ def _process_alive(pid: int, started: int | None) -> bool:
         return False
     except PermissionError:
         pass  # exists, owned by another user
-    fields = _proc_stat(pid)
+    fields = proc_stat(pid)
     if fields and fields[0] in ("Z", "X"):
         return False  # exited, not yet reaped by its parent
     if started is not None:

@@ -50,7 +50,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from . import distributed
+from . import distributed, joblock
 from .settings import RunError, flag
 
 log = logging.getLogger(__name__)
@@ -316,9 +316,5 @@ def _children(parent: int) -> list[int]:
 
 
 def _is_child(pid: int, parent: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            fields = handle.read().rsplit(")", 1)[1].split()
-        return int(fields[1]) == parent and fields[0] != "Z"  # a zombie has died already
-    except (OSError, ValueError, IndexError):
-        return False
+    fields = joblock.proc_stat(pid)
+    return fields is not None and len(fields) > 1 and fields[1] == str(parent) and fields[0] != "Z"  # zombie: dead
