@@ -24,6 +24,9 @@ import sys
 from typing import TYPE_CHECKING, cast
 
 from {{ cookiecutter.project_slug }} import config  # no torch in it: --help and a mistyped flag answer at once
+from {{ cookiecutter.project_slug }}.machinery import warmstart
+
+warmstart.handoff()  # a torchrun restart: this rank runs in a fork of a process that has imported torch already
 
 if TYPE_CHECKING:
     from {{ cookiecutter.project_slug }}.machinery.report import Summary
@@ -45,6 +48,7 @@ def run(cfg: config.Config) -> Summary:
     from {{ cookiecutter.project_slug }}.machinery.snapshot import SnapshotError
     from {{ cookiecutter.project_slug }}.machinery.stream import StreamEnded
 
+    warmstart.serve_restarts()  # local rank 0 of a job that may restart: keep a copy of this process as it is now
     env = distributed.read_env()
     if replicas.requested(cfg):  # --fault-tolerance torchft: this replica group's own files
         try:

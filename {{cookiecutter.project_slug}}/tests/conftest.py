@@ -23,7 +23,8 @@ EXACT = QUICK + ["--snapshot-every", "10", "--threads-per-rank", "1"]
 
 
 def child_env(**extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DEBUG_", "WANDB_", "TORCHELASTIC_"))}
+    dropped = ("DEBUG_", "WANDB_", "TORCHELASTIC_", "WARM_RESTART")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(dropped)}
     for key in (
         "RANK",
         "LOCAL_RANK",
@@ -159,6 +160,9 @@ def rank_pids(accept):
                 cmdline = handle.read()
             if not accept(int(entry), parent, cmdline):
                 continue
+            with open(f"/proc/{entry}/comm", "rb") as handle:
+                if handle.read().strip() == b"warm-restart":  # a job's zygote (machinery/warmstart.py), no rank
+                    continue
             with open(f"/proc/{entry}/environ", "rb") as handle:
                 variables = handle.read().split(b"\0")
         except (OSError, ValueError, IndexError):

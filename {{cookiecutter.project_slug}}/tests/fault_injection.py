@@ -9,17 +9,23 @@ The fault is chosen by environment variables:
     NO_RNG_RESTORE=1          resume without restoring the random streams (to prove the resume test can fail)
     COUNT_ALLREDUCE=1         print "gradient all-reduces: N" on rank 0 at exit
     SLOW_COPY=<seconds>       every snapshot's copy off the training thread starts this much later
+    RECORD_STARTS=<folder>    each rank writes start-rank{R}-attempt{A} there: "warm" when torch was imported
+                              before this script began (a warm restart: the rank runs in a fork of the job's zygote,
+                              machinery/warmstart.py), else "cold"
 """
+
+import sys
+
+PRELOADED = "torch" in sys.modules  # noqa: E402 - before this script imports anything heavy
 
 import atexit
 import os
 import signal
-import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import train
+import train  # a restarted rank is handed to the job's zygote here, and this script runs again in its fork
 from {{ cookiecutter.project_slug }}.machinery import parallel, snapshot, trainer
 from {{ cookiecutter.project_slug }}.machinery.snapshot import format, writer
 
@@ -27,6 +33,12 @@ FAULT = os.environ.get("FAULT", "")
 RANK = int(os.environ.get("RANK", 0))
 FAULT_RANK = int(os.environ.get("FAULT_RANK", 0))
 FAULT_STEP = int(os.environ.get("FAULT_STEP", 0))
+
+if os.environ.get("RECORD_STARTS"):
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    record = Path(os.environ["RECORD_STARTS"]) / f"start-rank{RANK}-attempt{attempt}"
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text("warm" if PRELOADED else "cold")
 
 
 def should_fire():

@@ -87,12 +87,34 @@ def injected(tmp_path, **fault):
     return child_env(FAULT_ONCE=tmp_path / "fault-fired", **fault)
 
 
+def starts(tmp_path):
+    """{attempt: ["warm" or "cold" for each rank]}, as tests/fault_injection.py recorded (RECORD_STARTS)."""
+    found = {}
+    for path in sorted((tmp_path / "starts").glob("start-rank*-attempt*")):
+        attempt = int(path.name.rsplit("attempt", 1)[1])
+        found.setdefault(attempt, []).append(path.read_text())
+    return found
+
+
+def processes_naming(folder):
+    """The pids of the processes whose command line names `folder`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and str(folder).encode() in open(f"/proc/{entry}/cmdline", "rb").read():
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
 @pytest.mark.slow
 def test_sigkilled_workers_are_restarted_and_the_job_ends_bitwise_equal(tmp_path, reference_runs):
     """Rank 1 is SIGKILLed after the first snapshot, then rank 0 in the restarted attempt: each restart recovers."""
     reference = reference_runs(ARGS)
-    env = child_env(WANDB_DIR=tmp_path, WANDB_SILENT="true")
-    proc = start(train_cmd(2, ["--max-restarts=3"]) + ARGS + ["--wandb", "offline"] + outputs(tmp_path), env=env)
+    env = child_env(WANDB_DIR=tmp_path, WANDB_SILENT="true", RECORD_STARTS=tmp_path / "starts")
+    cmd = train_cmd(2, ["--max-restarts=3"], script="tests/fault_injection.py")
+    proc = start(cmd + ARGS + ["--wandb", "offline"] + outputs(tmp_path), env=env)
     killed_attempt: set[int] = set()
     for victim, after_step in [(1, 25), (0, 65)]:
         # This attempt's workers (none of the killed attempt's), then a step the killed attempt never reached.
@@ -117,6 +139,9 @@ def test_sigkilled_workers_are_restarted_and_the_job_ends_bitwise_equal(tmp_path
     run_id = json.loads((tmp_path / "run-snapshots" / "run.json").read_text())["run_id"]
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert runs and all(r.name.endswith(run_id) for r in runs), runs
+    # The restarted ranks ran in forks of a process with torch imported (warm), each restart; none is left.
+    assert starts(tmp_path) == {0: ["cold", "cold"], 1: ["warm", "warm"], 2: ["warm", "warm"]}
+    wait_for(lambda: not processes_naming(tmp_path), timeout=10, what="no process of the job left")
 
 
 @pytest.mark.slow
@@ -124,11 +149,13 @@ def test_sigkilled_workers_are_restarted_and_the_job_ends_bitwise_equal(tmp_path
 def test_crash_inside_a_save_resumes_from_the_previous_snapshot(tmp_path, reference_runs, rank, where):
     reference = reference_runs(ARGS)
     cmd = train_cmd(2, ["--max-restarts=3"], script="tests/fault_injection.py") + ARGS + outputs(tmp_path)
-    out = run(
-        cmd, env=injected(tmp_path, FAULT="crash_in_save", FAULT_RANK=rank, FAULT_STEP=60, FAULT_FILE=where)
-    ).stdout
+    restart = "warm" if rank == 1 else "cold"  # the exact resume both ways: WARM_RESTART=0 makes restarts cold
+    fault = {"FAULT": "crash_in_save", "FAULT_RANK": rank, "FAULT_STEP": 60, "FAULT_FILE": where}
+    env = injected(tmp_path, **fault, RECORD_STARTS=tmp_path / "starts", WARM_RESTART="1" if rank == 1 else "0")
+    out = run(cmd, env=env).stdout
     assert (tmp_path / "fault-fired").exists()
     assert len(FAILED_ATTEMPT.findall(out)) == 1
+    assert starts(tmp_path) == {0: ["cold", "cold"], 1: [restart, restart]}
     assert summary(tmp_path)["resumed_from"] == 40
     assert not leftovers(tmp_path / "run-snapshots"), "the interrupted step-60 save was cleaned up"
     assert_same_weights(reference["model"], final_model(tmp_path / "run-snapshots")["model"])

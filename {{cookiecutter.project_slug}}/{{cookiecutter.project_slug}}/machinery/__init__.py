@@ -22,6 +22,8 @@ Your rooms are one level up: model.py, data.py and config.py (the seam: machiner
     tracking.py     experiment tracking (wandb on rank 0, the metrics file), the run id
     runfiles.py     the files beside the snapshots belong to one run: path checks at start-up, the export folder
     joblock.py      one job per snapshot folder
+    warmstart.py    torchrun's restarts without importing torch again: each restarted rank runs in a fork of a
+                    process the job's first attempt left with torch imported
     watchdog.py     a hung rank's stacks, before the collective timeout
     debug.py        attach a debugger to chosen ranks (DEBUG_RANK)
     plot.py         loss curves from the metrics file (python -m <package>.machinery.plot)

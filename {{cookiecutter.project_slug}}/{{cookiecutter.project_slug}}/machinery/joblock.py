@@ -110,11 +110,13 @@ def current_job() -> str:
     """The torchrun job this process belongs to: TORCHELASTIC_RUN_ID, "" outside torchrun.
 
     torchrun's default id "none" is shared by every job launched without --rdzv-id, so it names no job; the
-    agent (this process's parent, which lives as long as the job) names it instead.
+    agent (which lives as long as the job) names it instead.
     """
+    from .warmstart import agent_pid  # it imports this module
+
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id == "none":
-        return f"none@{socket.gethostname()}:{os.getppid()}"
+        return f"none@{socket.gethostname()}:{agent_pid()}"
     return run_id
 
 
@@ -135,7 +137,7 @@ def proc_stat(pid: int) -> list[str] | None:
         return None
 
 
-def _process_start(pid: int) -> int | None:
+def process_start(pid: int) -> int | None:
     """When a process started (clock ticks since boot): with its pid, it names one process, not a reused pid."""
     fields = proc_stat(pid)
     try:
@@ -144,7 +146,7 @@ def _process_start(pid: int) -> int | None:
         return None
 
 
-def _process_alive(pid: int, started: int | None) -> bool:
+def process_alive(pid: int, started: int | None) -> bool:
     """Whether `pid` on this machine is still the process that wrote a lock."""
     if not 0 < pid <= PID_MAX:
         return False  # no process has it
@@ -158,7 +160,7 @@ def _process_alive(pid: int, started: int | None) -> bool:
     if fields and fields[0] in ("Z", "X"):
         return False  # exited, not yet reaped by its parent
     if started is not None:
-        now = _process_start(pid)
+        now = process_start(pid)
         if now is not None and now != started:
             return False  # the pid was reused by another process
     return True
@@ -300,7 +302,7 @@ class JobLock:
                 "host": socket.gethostname(),
                 "boot_id": _boot_id(),
                 "pid": os.getpid(),
-                "pid_started": _process_start(os.getpid()),
+                "pid_started": process_start(os.getpid()),
                 "job": self.job,
                 "started": self.started,
                 "heartbeat": time.time(),
@@ -369,7 +371,7 @@ class JobLock:
             if holder["pid"] == os.getpid():
                 return logging.DEBUG, "from this process"
             started = holder.get("pid_started") if type(holder.get("pid_started")) is int else None
-            if not _process_alive(holder["pid"], started):
+            if not process_alive(holder["pid"], started):
                 return logging.WARNING, f"of a job that is gone ({describe(holder)}: no such process)"
             unsure = "" if started is not None else "; the lock records no start time to tell it from another process"
             raise JobLockError(
@@ -545,7 +547,7 @@ def _kill_self() -> None:
     os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))
 
 
-def _set_parent_death_signal() -> bool:
+def set_parent_death_signal() -> bool:
     """Ask Linux to SIGKILL this process when its parent dies; False where that is not available."""
     if not sys.platform.startswith("linux"):
         return False
@@ -595,7 +597,7 @@ def exit_with_parent() -> None:
     """
     global _watching
     parent = os.getppid()  # before prctl: a parent that dies in between is caught below
-    if _set_parent_death_signal():
+    if set_parent_death_signal():
         if os.getppid() != parent:
             _kill_self()
         return

@@ -38,6 +38,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import warmstart
 from .settings import RunError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # train.py sits beside the package
@@ -110,6 +111,7 @@ def launch(
             raise RunError(cause.split(": ", 1)[1]) from None
         raise TrainingFailed(cause, rank, exitcode) from None
     finally:
+        warmstart.stop(os.getpid(), config.run_id)  # the agent was this process: the job's zygote stops with it
         if log_dir is None:
             shutil.rmtree(logs, ignore_errors=True)
     return _summary(Path(cfg.export_dir), started)

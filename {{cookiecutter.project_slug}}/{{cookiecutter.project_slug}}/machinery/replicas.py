@@ -50,7 +50,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from . import distributed, joblock
+from . import distributed, joblock, warmstart
 from .settings import RunError, flag
 
 log = logging.getLogger(__name__)
@@ -273,8 +273,8 @@ class ReplicaGroup:
         the lighthouse, and the other groups would wait for it all that time. Ranks of the group on other machines
         are left to that timeout.
         """
-        parent = os.getppid()
-        siblings = [pid for pid in _children(parent) if pid != os.getpid()]
+        parent = warmstart.agent_pid()
+        siblings = [pid for pid in _children(parent) if pid != warmstart.worker_pid()]
         if not siblings or "TORCHELASTIC_RUN_ID" not in os.environ:
             return
 

@@ -1,0 +1,479 @@
+"""Warm restarts: a worker that torchrun restarts starts from a process that has torch imported already.
+
+When a worker fails, torchrun stops every worker of the job and starts new ones. Each new interpreter imports torch
+and dynamo again (3-5 s of CPU) before it can rendezvous and load the newest snapshot: the largest part of a
+restart (bench/RECOVERY.md). Here the job's first attempt leaves a *zygote* on each machine: local rank 0 forks it
+right after its imports, before it has set anything up. A restarted worker, still a bare interpreter, hands its
+rank to the zygote at the top of train.py (`handoff`): the zygote forks a child that runs the same script with the
+worker's arguments, environment, folder and standard streams, and the worker stays on as the child's stand-in.
+It passes torchrun's signals on (to the child's process group, as torchrun signals a worker's group) and exits as
+the child exits, with the same code or signal.
+
+The child starts with what a fresh interpreter would have after the same imports: the zygote holds nothing of the
+first attempt's run, and it drops the project's own modules (this package, train.py, anything else imported from
+the project folder), so the child imports those afresh (an edited model.py is read again). torch, numpy and the
+other installed packages it finds imported. Everything that makes a resume exact (snapshot, random streams, thread
+count, data position) is set up afterwards as in any start.
+
+Restarts are cold, as before, where this does not apply: not Linux; WARM_RESTART=0 in the environment; a debugger
+in the worker (F5 starts each worker under debugpy); CUDA initialised before the fork point; --max-restarts 0; the
+zygote gone. The zygote lives as long as torchrun's agent (launch() stops it when its job ends); a child whose
+stand-in dies is SIGKILLed with its process group, and a child whose zygote dies is SIGKILLed by the kernel.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import hashlib
+import importlib
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import struct
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import joblock
+
+ENV_SWITCH = "WARM_RESTART"  # "0": every restart is cold
+ENV_WORKER = "WARM_RESTART_WORKER_PID"  # in a child: the pid torchrun started for this rank (the stand-in)
+ENV_AGENT = "WARM_RESTART_AGENT_PID"  # in a child: torchrun's agent
+NAME = "warm-restart"  # the zygote's process name (ps -o comm, top): it trains nothing itself
+PR_SET_NAME = 15  # from <linux/prctl.h>
+FORWARDED = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2") if hasattr(signal, name)
+)
+_LENGTH = struct.Struct("!I")
+
+
+def worker_pid() -> int:
+    """The pid torchrun started for this rank: this process, or in a warm child its stand-in."""
+    return int(os.environ.get(ENV_WORKER) or os.getpid())
+
+
+def agent_pid() -> int:
+    """The torchrun agent that started this rank's worker (the parent process, outside a warm child)."""
+    return int(os.environ.get(ENV_AGENT) or os.getppid())
+
+
+def enabled() -> bool:
+    """Whether restarts here may be warm: Linux, not switched off, no debugger in this process."""
+    debugged = sys.gettrace() is not None or "debugpy" in sys.modules or "pydevd" in sys.modules
+    return sys.platform.startswith("linux") and os.environ.get(ENV_SWITCH, "1").strip() != "0" and not debugged
+
+
+def _address(agent: int, run_id: str) -> str:
+    """The zygote's socket (Linux's abstract namespace: no file to clean up): one per agent process and job."""
+    key = f"{agent}:{joblock.process_start(agent)}:{run_id}:{os.getuid()}"
+    return "\0warm-restart-" + hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _set_name(name: bytes) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _torchrun_worker() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The worker's side: leave a zygote (first attempt), or hand the rank to it (restarts).
+
+
+def serve_restarts() -> None:
+    """In local rank 0 of a torchrun job that may restart: fork this machine's zygote, once per job.
+
+    Call it after the heavy imports and before anything else: the zygote is a copy of this process as it is now.
+    """
+    if os.environ.get("LOCAL_RANK") != "0" or ENV_WORKER in os.environ or not _torchrun_worker() or not enabled():
+        return
+    if not os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0").strip().isdigit():
+        return
+    if int(os.environ["TORCHELASTIC_MAX_RESTARTS"]) == 0 or threading.active_count() > 1:
+        return  # no restarts to serve; a fork copies only the calling thread
+    torch = sys.modules.get("torch")
+    if torch is None or torch.cuda.is_initialized():
+        return  # nothing to keep; a CUDA context does not survive fork()
+    importlib.import_module("torch._dynamo")  # this worker imports it next anyway (distributed.init): 1-2 s of CPU
+    agent = os.getppid()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # nothing buffered may be written twice
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(_address(agent, os.environ["TORCHELASTIC_RUN_ID"]))
+        listener.listen(64)
+    except OSError:
+        listener.close()
+        return  # this job's zygote is there already
+    first = os.fork()
+    if first:
+        listener.close()
+        os.waitpid(first, 0)
+        return
+    try:  # a new session, out of torchrun's reach (it signals each worker's process group), then the zygote
+        os.setsid()
+        if os.fork() == 0:
+            _Zygote(listener, agent).run()
+    finally:
+        os._exit(0)
+
+
+def handoff() -> None:
+    """At the top of train.py: in a torchrun restart, run this rank in a child of the job's zygote.
+
+    Returns at once where there is none (the worker then starts cold); otherwise this process stays the rank's
+    stand-in and exits when the child does, with its exit code or signal.
+    """
+    if ENV_WORKER in os.environ or not _torchrun_worker() or not enabled():
+        return
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
+        return  # a first attempt: no zygote yet
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    module = spec.name if spec is not None else None  # python -m package.module
+    if module is None and not (sys.argv and os.path.isfile(sys.argv[0])):
+        return
+    agent = os.getppid()
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(30)  # a zygote that does not answer: start cold
+    try:
+        conn.connect(_address(agent, os.environ["TORCHELASTIC_RUN_ID"]))
+        request = {
+            "argv": sys.argv,
+            "module": module,
+            "cwd": os.getcwd(),
+            "env": dict(os.environ),
+            "executable": sys.executable,
+            "agent": agent,
+        }
+        payload = json.dumps(request).encode()
+        message = _LENGTH.pack(len(payload)) + payload
+        conn.sendall(message[socket.send_fds(conn, [message], [0, 1, 2]) :])
+        replies = conn.makefile("rb")
+        reply = json.loads(replies.readline() or b"{}")
+    except (OSError, ValueError):
+        conn.close()
+        return  # no zygote, or it is going away: a cold start
+    if "pid" not in reply:
+        conn.close()
+        return
+    conn.settimeout(None)
+    joblock.set_parent_death_signal()  # the agent gone: this stand-in dies, and the zygote kills the child
+
+    def forward(signum: int, frame: Any) -> None:
+        try:
+            conn.sendall(b"%d\n" % signum)
+        except OSError:
+            pass
+
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+    line = replies.readline()
+    _exit_as(int(json.loads(line)["exit"]) if line else 1)
+
+
+def stop(agent: int, run_id: str) -> None:
+    """Stop the zygote of a job whose agent lives on (launch(): the agent is the caller's process)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        try:
+            conn.connect(_address(agent, run_id))
+            payload = json.dumps({"quit": True}).encode()
+            conn.sendall(_LENGTH.pack(len(payload)) + payload)
+            conn.recv(1)  # closed once the zygote has stopped
+        except OSError:
+            pass
+
+
+def _exit_as(code: int) -> None:
+    """Exit with `code`, as waitstatus_to_exitcode() gives it (negative: killed by that signal)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    if code < 0:
+        signum = -code
+        if signum not in (getattr(signal, "SIGKILL", -1), getattr(signal, "SIGSTOP", -1)):
+            signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        code = 128 + signum
+    os._exit(code)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The zygote.
+
+
+@dataclass
+class _Client:
+    conn: socket.socket
+    child: int = 0
+    pidfd: int = -1
+    buffer: bytes = field(default=b"")
+
+
+class _Zygote:
+    """One process per machine and job, single-threaded: forks a child per request, reports how it ended."""
+
+    def __init__(self, listener: socket.socket, agent: int) -> None:
+        self.listener = listener
+        self.agent = agent
+        self.selector = selectors.DefaultSelector()
+        self.clients: dict[int, _Client] = {}  # by child pid
+        self.pidfds = hasattr(os, "pidfd_open")
+        with open("/proc/self/comm", "rb") as handle:
+            self.name = handle.read().strip()  # the interpreter's: the children take it back
+
+    def run(self) -> None:
+        _set_name(NAME.encode())
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):  # hold none of the worker's pipes or log files open
+            os.dup2(devnull, fd)
+        os.close(devnull)
+        for signum in FORWARDED:  # a scheduler's SIGTERM to every process: stay, so the children can save and exit
+            signal.signal(signum, signal.SIG_IGN)
+        _forget_project_modules()
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        agent_fd = self._pidfd(self.agent)
+        if agent_fd >= 0:
+            self.selector.register(agent_fd, selectors.EVENT_READ, "agent")
+        started = joblock.process_start(self.agent)
+        if agent_fd < 0 and not joblock.process_alive(self.agent, started):
+            return
+        while True:
+            events = self.selector.select(timeout=None if self.pidfds and agent_fd >= 0 else 0.05)
+            if agent_fd < 0 and not joblock.process_alive(self.agent, started):
+                break
+            if not self.pidfds:
+                self._reap_any()
+            stopping = False
+            for key, _ in events:
+                if key.data == "agent":
+                    stopping = True
+                elif key.data == "accept":
+                    stopping |= self._accept()
+                elif key.data[0] == "child":
+                    self._reap(key.data[1])
+                else:
+                    self._read(key.data[1])
+            if stopping:
+                break
+        for client in list(self.clients.values()):
+            _kill_group(client.child, signal.SIGKILL)
+
+    def _pidfd(self, pid: int) -> int:
+        if not self.pidfds:
+            return -1
+        try:
+            return os.pidfd_open(pid)
+        except OSError:
+            self.pidfds = False  # kernel before 5.3: poll instead
+            return -1
+
+    def _accept(self) -> bool:
+        """Serve one connection; True when it asks the zygote to stop."""
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return False
+        pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        fds: list[int] = []
+        try:
+            if uid != os.getuid():
+                raise OSError("another user")
+            conn.settimeout(10)
+            data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+            while len(data) < _LENGTH.size or len(data) < _LENGTH.size + _LENGTH.unpack_from(data)[0]:
+                chunk = conn.recv(1 << 16)
+                if not chunk:
+                    raise OSError("short request")
+                data += chunk
+            request = json.loads(data[_LENGTH.size :])
+        except (OSError, ValueError):
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            return False
+        if request.get("quit"):
+            conn.close()
+            return True
+        if len(fds) != 3 or request.get("executable") != sys.executable or request.get("agent") != self.agent:
+            conn.sendall(b'{"refused": "another interpreter or job"}\n')
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            return False
+        child = os.fork()
+        if child == 0:
+            self._become(conn, request, fds, pid)
+        for fd in fds:
+            os.close(fd)
+        client = _Client(conn, child, self._pidfd(child))
+        self.clients[child] = client
+        conn.setblocking(False)
+        try:
+            conn.sendall(json.dumps({"pid": child}).encode() + b"\n")
+        except OSError:
+            pass
+        self.selector.register(conn, selectors.EVENT_READ, ("conn", client))
+        if client.pidfd >= 0:
+            self.selector.register(client.pidfd, selectors.EVENT_READ, ("child", client))
+        return False
+
+    def _read(self, client: _Client) -> None:
+        """Signals from the stand-in, passed to the child's group; the stand-in gone: SIGKILL the group."""
+        try:
+            data = client.conn.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            _kill_group(client.child, signal.SIGKILL)
+            self.selector.unregister(client.conn)
+            client.conn.close()
+            return
+        client.buffer += data
+        *lines, client.buffer = client.buffer.split(b"\n")
+        for line in lines:
+            if line.strip().isdigit():
+                _kill_group(client.child, int(line))
+
+    def _reap(self, client: _Client) -> None:
+        _, status = os.waitpid(client.child, 0)
+        self._ended(client, status)
+
+    def _reap_any(self) -> None:
+        while self.clients:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid in self.clients:
+                self._ended(self.clients[pid], status)
+
+    def _ended(self, client: _Client, status: int) -> None:
+        self.clients.pop(client.child, None)
+        if client.pidfd >= 0:
+            self.selector.unregister(client.pidfd)
+            os.close(client.pidfd)
+        if client.conn.fileno() >= 0:
+            try:
+                client.conn.setblocking(True)
+                client.conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+            except OSError:
+                pass
+            self.selector.unregister(client.conn)
+            client.conn.close()
+
+    def _become(self, conn: socket.socket, request: dict[str, Any], fds: list[int], stand_in: int) -> None:
+        """In the forked child: become the restarted worker, run its script, exit as Python would."""
+        code = 1
+        try:
+            self.selector.close()
+            self.listener.close()
+            for client in self.clients.values():
+                client.conn.close()
+                if client.pidfd >= 0:
+                    os.close(client.pidfd)
+            conn.close()
+            os.setsid()  # its own process group, signalled as a whole like torchrun's workers
+            _set_name(self.name)
+            os.sched_setaffinity(0, os.sched_getaffinity(stand_in))  # the CPUs torchrun gave this rank's worker
+            joblock.set_parent_death_signal()  # the zygote gone (the job over): so is this child
+            for fd, target in zip(fds, (0, 1, 2), strict=True):
+                os.dup2(fd, target)
+                os.close(fd)
+            os.chdir(request["cwd"])
+            os.environ.clear()
+            os.environ.update(request["env"])
+            os.environ[ENV_WORKER] = str(stand_in)
+            os.environ[ENV_AGENT] = str(self.agent)
+            for signum in FORWARDED:
+                signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+            argv = list(request["argv"])
+            sys.argv = argv
+            if request["module"]:
+                runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            else:
+                sys.path[0] = str(Path(argv[0]).resolve().parent)  # what `python script.py` puts first
+                runpy.run_path(argv[0], run_name="__main__")
+            code = 0
+        except SystemExit as exc:
+            code = _exit_code(exc)
+        except KeyboardInterrupt:
+            sys.excepthook(*sys.exc_info())
+            code = -signal.SIGINT
+        except BaseException:
+            sys.excepthook(*sys.exc_info())
+            code = 1
+        finally:
+            _finish(code)
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """The exit code the interpreter gives a SystemExit (a message goes to stderr, with code 1)."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _finish(code: int) -> None:
+    """Exit as the interpreter does: wait for non-daemon threads, run the atexit functions, flush, exit."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's own step (multiprocessing's too)
+    except Exception:  # noqa: BLE001, S110 - exiting regardless
+        pass
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        _exit_as(code)
+
+
+def _kill_group(pid: int, signum: int) -> None:
+    try:
+        os.killpg(pid, signum)
+    except OSError:
+        try:  # not yet its own group
+            os.kill(pid, signum)
+        except OSError:
+            pass
+
+
+def _forget_project_modules() -> None:
+    """Drop the modules imported from the project (this package, train.py, tests): each child imports them anew.
+
+    Installed packages (under the interpreter's prefix or a site-packages folder) stay imported.
+    """
+    package = __name__.split(".")[0]
+    root = Path(sys.modules[package].__file__ or ".").resolve().parents[1]
+    script = Path(sys.argv[0]).resolve().parent if sys.argv and sys.argv[0] else root
+    installed = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if name == package or name.startswith(package + "."):
+            del sys.modules[name]
+        elif path and name != "__main__":
+            resolved = Path(path).resolve()
+            if "site-packages" in resolved.parts or "dist-packages" in resolved.parts:
+                continue
+            if any(prefix in resolved.parents for prefix in installed):
+                continue
+            if root in resolved.parents or script in resolved.parents:
+                del sys.modules[name]
