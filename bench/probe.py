@@ -10,19 +10,37 @@ either. With PROBE_DIR set, each worker writes to it:
 A is torchrun's TORCHELASTIC_RESTART_COUNT, so a restarted worker writes new files.
 """
 
-import atexit
-import json
-import os
-import runpy
-import sys
+import importlib.util
 import time
 
 PROCESS_START = time.time()
 
-from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402  (the script imports torch too)
+import atexit  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import runpy  # noqa: E402
+import sys  # noqa: E402
+
+# A warm restart (the baked machinery/warmstart.py) runs this file again in a fork of the job's zygote: the worker
+# torchrun started passes its start time on in the environment, and the zygote's copies of the hook and the exit
+# function (registered by the first attempt before the fork) are removed or stay silent.
+if "WARM_RESTART_WORKER_PID" not in os.environ:
+    os.environ["PROBE_PROCESS_START"] = repr(PROCESS_START)
+PROCESS_START = float(os.environ.get("PROBE_PROCESS_START", PROCESS_START))
+SCRIPT = os.path.abspath(sys.argv[1]) if __name__ == "__main__" else ""
+if SCRIPT:
+    sys.path.insert(0, os.path.dirname(SCRIPT))  # what `python script.py` does
+    # The script's first lines run before torch loads, as in `python script.py`: a baked train.py hands a
+    # restarted rank to the zygote there. Its main part stays for run_path below (__name__ is not "__main__").
+    spec = importlib.util.spec_from_file_location("_probed_script", SCRIPT)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+import torch  # noqa: E402
+from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
 
 OUT = os.environ.get("PROBE_DIR")
 TAG = f"rank{os.environ.get('RANK', '0')}-attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+PID = os.getpid()
 steps = []
 
 
@@ -40,15 +58,15 @@ def _after_step(optimizer, args, kwargs):
 
 
 def _at_exit():
-    if OUT:
+    if OUT and os.getpid() == PID:  # not in a fork that inherited this registration
         _write("steps", {"process_start": PROCESS_START, "steps": steps})
 
 
-register_optimizer_step_post_hook(_after_step)
+if getattr(torch, "_probe_hook", None) is not None:
+    torch._probe_hook.remove()
+torch._probe_hook = register_optimizer_step_post_hook(_after_step)
 atexit.register(_at_exit)
 
-if __name__ == "__main__":
-    script = os.path.abspath(sys.argv[1])
-    sys.argv = [script] + sys.argv[2:]
-    sys.path.insert(0, os.path.dirname(script))  # what `python script.py` does
-    runpy.run_path(script, run_name="__main__")
+if SCRIPT:
+    sys.argv = [SCRIPT] + sys.argv[2:]
+    runpy.run_path(SCRIPT, run_name="__main__")

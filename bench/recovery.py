@@ -1,6 +1,6 @@
-"""Recovery: what one SIGKILLed worker costs a torchrun job, phase by phase, at 2 and 4 CPU ranks.
+"""Recovery: what one SIGKILLed worker costs a torchrun job, phase by phase, at 2 and 4 CPU ranks, cold and warm.
 
-Run: .venv/bin/python bench/recovery.py [--kills N] [--ranks 2 4]   (bakes the template; ~1 minute per kill)
+Run: .venv/bin/python bench/recovery.py [--kills N] [--ranks 2 4]   (bakes the template; ~30 s per kill)
 
 Each kill: `torchrun --standalone --nproc_per_node=R --max-restarts=3` runs the baked demo under recovery_probe.py
 (a clock on each phase of a worker's start), logging every step; 1-2 s after the first step a random rank gets
@@ -8,12 +8,15 @@ SIGKILL. The phases, from the kill to the restarted job's first step (the slowes
     detect          the kill -> torchrun's "closing signal" line (its monitor polls every 0.1 s)
     stop survivors  -> its "failed (exitcode" line, logged once the survivors have exited
     respawn         -> the new worker processes exist (the agent's new rendezvous round, its new store)
-    import torch    -> `import torch` done in the new workers (interpreter start included)
+    import torch    -> `import torch` done in the new workers (interpreter start included; warm: the hand-off to
+                       the zygote, its fork, and the project's own modules imported again in the fork)
     rendezvous + pg -> init_process_group returned (the package's imports, settings, the job lock, the store)
     snapshot load   -> the snapshot read (torch.load) returned (model and data built before it)
     first step      -> the first optimizer step done (DDP and its dynamo import, bucket settling, the step)
 plus the steps trained again (the kill came after step K was logged; the job resumed from its snapshot S < K) in
 seconds at the measured step rate. Cold start: launch -> first step of the first attempt, with the same phases.
+Each kill runs twice: with WARM_RESTART=0 (the restarted workers are new interpreters: the cold restart, as before
+machinery/warmstart.py) and as shipped (warm: each restarted rank runs in a fork of the job's zygote).
 Writes bench/RECOVERY.md and bench/RECOVERY.json.
 """
 
@@ -59,7 +62,25 @@ def phases(probe_dir, attempt):
         if values:
             result[phase] = max(values)
     result["resumed_from"] = records[0]["step_count"] - 1
+    result["warm"] = sum(bool(r.get("warm")) for r in records)  # ranks that ran in a fork of the zygote
     return result, len(records)
+
+
+def zygote_memory(folder):
+    """{"rss": MB, "pss": MB} of the job's zygote (machinery/warmstart.py; its copy-on-write pages shared with the
+    worker it was forked from count half in pss), or None without one."""
+    for entry in os.listdir("/proc"):
+        try:
+            if not entry.isdigit() or Path(f"/proc/{entry}/comm").read_text().strip() != "warm-restart":
+                continue
+            if str(folder).encode() not in Path(f"/proc/{entry}/cmdline").read_bytes():
+                continue
+            rollup = Path(f"/proc/{entry}/smaps_rollup").read_text().splitlines()[1:]
+            fields = dict(line.split(":", 1) for line in rollup)
+        except OSError:
+            continue
+        return {name.lower(): int(fields[name].split()[0]) / 1024 for name in ("Rss", "Pss")}
+    return None
 
 
 def agent_time(pattern, text, year):
@@ -72,7 +93,7 @@ def agent_time(pattern, text, year):
     return datetime.datetime.combine(datetime.date(year, month, day), clock).timestamp()
 
 
-def one_kill(project, folder, ranks):
+def one_kill(project, folder, ranks, mode):
     probe_dir = folder / "probe"
     probe_dir.mkdir(parents=True)
     metrics = folder / "metrics.jsonl"
@@ -83,10 +104,12 @@ def one_kill(project, folder, ranks):
     output = folder / "torchrun.out"
     launched = time.time()
     with open(output, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=folder, env=child_env(probe_dir), stdout=out, stderr=subprocess.STDOUT)
+        env = child_env(probe_dir, **({"WARM_RESTART": "0"} if mode == "cold" else {}))
+        proc = subprocess.Popen(cmd, cwd=folder, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: list(probe_dir.glob("phases-rank*-attempt0.json")), 300, "the first step")
         time.sleep(random.uniform(1.0, 2.0))
+        zygote = zygote_memory(folder)
         pids = worker_pids(proc.pid)
         victim = random.randrange(ranks)
         before = logged_steps(metrics)
@@ -109,12 +132,14 @@ def one_kill(project, folder, ranks):
     redone = max(0, steps_at_kill - warm["resumed_from"])
     return {
         "ranks": ranks,
+        "mode": mode,
         "victim": victim,
         "cold": {"launch": launched, **cold},
         "kill": killed,
         "stopping": agent_time(STOPPING, text, year),
         "failed": agent_time(FAILED, text, year),
         "restart": warm,
+        "zygote_mb": zygote,
         "steps_at_kill": steps_at_kill,
         "steps_redone": redone,
         "step_s": rates,
@@ -164,17 +189,19 @@ def main():
     results = []
     for ranks in options.ranks:
         for index in range(options.kills):
-            result = one_kill(project, scratch / f"r{ranks}-{index}", ranks)
-            results.append(result)
-            restart, start = breakdown(result)
-            total = result["restart"]["first_step"] - result["kill"]
-            cold = result["cold"]["first_step"] - result["cold"]["launch"]
-            print(
-                f"{ranks} ranks, kill {index}: kill -> step {total:.2f} s, cold {cold:.2f} s, "
-                + ", ".join(f"{name} {seconds:.2f}" for name, seconds in restart)
-                + f", redone {result['steps_redone']} steps {result['redone_s']:.2f} s",
-                flush=True,
-            )
+            for mode in ("cold", "warm"):  # interleaved: both modes see the same machine
+                result = one_kill(project, scratch / f"r{ranks}-{index}-{mode}", ranks, mode)
+                results.append(result)
+                restart, _ = breakdown(result)
+                total = result["restart"]["first_step"] - result["kill"]
+                cold = result["cold"]["first_step"] - result["cold"]["launch"]
+                print(
+                    f"{ranks} ranks, kill {index}, {mode} restart ({result['restart']['warm']} ranks warm): "
+                    f"kill -> step {total:.2f} s, cold start {cold:.2f} s, "
+                    + ", ".join(f"{name} {seconds:.2f}" for name, seconds in restart)
+                    + f", redone {result['steps_redone']} steps {result['redone_s']:.2f} s",
+                    flush=True,
+                )
     noise = meter.stop()
     info = machine()
     (BENCH / "RECOVERY.json").write_text(json.dumps({"machine": info, "noise": noise, "runs": results}, indent=1))
@@ -182,45 +209,63 @@ def main():
     shutil.rmtree(scratch, ignore_errors=True)
 
 
+def _median_phases(runs, which):
+    names = [name for name, _ in breakdown(runs[0])[which]]
+    return {name: statistics.median(dict(breakdown(r)[which])[name] for r in runs) for name in names}
+
+
 def write_report(results, info, noise, options):
     ranks_text = " ".join(map(str, options.ranks))
     lines = [
         "# Recovery: one SIGKILLed worker, phase by phase",
         "",
-        f"`torchrun --standalone --max-restarts=3` on the baked demo, {options.kills} kills per rank count (a random",
-        "rank, 1-2 s after the first step), snapshots every 20 steps. Medians; the slowest rank's clock at each",
-        f"point. {info['cores']} cores ({info['cpu']}), torch {info['torch']}, Python {info['python']},",
-        f"{info['date']}; other processes used {noise['foreign_cores']:.2f} cores on average.",
+        f"`torchrun --standalone --max-restarts=3` on the baked demo, {options.kills} kills per rank count and mode",
+        "(a random rank, 1-2 s after the first step), snapshots every 20 steps. Cold restart: `WARM_RESTART=0`, the",
+        "restarted workers are new interpreters (the only kind before machinery/warmstart.py). Warm restart: as",
+        "shipped, each restarted rank runs in a fork of the job's zygote, which has torch imported. Medians; the",
+        f"slowest rank's clock at each point. {info['cores']} cores ({info['cpu']}), torch {info['torch']}, Python",
+        f"{info['python']}, {info['date']}; other processes used {noise['foreign_cores']:.2f} cores on average.",
         f"Command: `.venv/bin/python bench/recovery.py --kills {options.kills} --ranks {ranks_text}`.",
         "",
     ]
     for ranks in options.ranks:
-        runs = [r for r in results if r["ranks"] == ranks]
-        restart = {
-            name: statistics.median(dict(breakdown(r)[0])[name] for r in runs) for name, _ in breakdown(runs[0])[0]
-        }
-        start = {
-            name: statistics.median(dict(breakdown(r)[1])[name] for r in runs) for name, _ in breakdown(runs[0])[1]
-        }
-        total = statistics.median(r["restart"]["first_step"] - r["kill"] for r in runs)
-        cold = statistics.median(r["cold"]["first_step"] - r["cold"]["launch"] for r in runs)
-        redone = statistics.median(r["redone_s"] for r in runs)
-        steps = statistics.median(r["steps_redone"] for r in runs)
+        runs = {mode: [r for r in results if r["ranks"] == ranks and r["mode"] == mode] for mode in ("cold", "warm")}
+        every = runs["cold"] + runs["warm"]
+        cold_start = statistics.median(r["cold"]["first_step"] - r["cold"]["launch"] for r in every)
+        start = _median_phases(every, 1)
+        lines += [f"## {ranks} ranks", "", f"Cold start (launch -> first step): **{cold_start:.2f} s**.", ""]
+        totals = {}
+        for mode, mode_runs in runs.items():
+            total = statistics.median(r["restart"]["first_step"] - r["kill"] for r in mode_runs)
+            own_cold = statistics.median(r["cold"]["first_step"] - r["cold"]["launch"] for r in mode_runs)
+            redone = statistics.median(r["redone_s"] for r in mode_runs)
+            steps = statistics.median(r["steps_redone"] for r in mode_runs)
+            warm_ranks = min(r["restart"]["warm"] for r in mode_runs)
+            totals[mode] = total
+            lines.append(
+                f"- {mode} restart: kill -> first resumed step **{total:.2f} s** = **{total / own_cold:.2f}x** the "
+                f"cold start of the same runs ({own_cold:.2f} s); with the {steps:.0f} steps trained again "
+                f"({redone:.2f} s): {(total + redone) / own_cold:.2f}x. Ranks in a fork of the zygote after the "
+                f"restart: {warm_ranks} of {ranks}."
+            )
+        memory = [r["zygote_mb"] for r in runs["warm"] if r["zygote_mb"]]
+        if memory:
+            lines.append(
+                f"- the zygote's memory before the kill: rss {statistics.median(m['rss'] for m in memory):.0f} MB, "
+                f"pss {statistics.median(m['pss'] for m in memory):.0f} MB (pages it shares with the worker it was "
+                "forked from count half)."
+            )
+        phase_rows = {mode: _median_phases(mode_runs, 0) for mode, mode_runs in runs.items()}
         lines += [
-            f"## {ranks} ranks",
             "",
-            f"Cold start (launch -> first step): **{cold:.2f} s**. Kill -> first resumed step: **{total:.2f} s** "
-            f"({total / cold:.2f}x cold); with the {steps:.0f} steps trained again ({redone:.2f} s): "
-            f"**{(total + redone) / cold:.2f}x** cold.",
-            "",
-            "| phase of the recovery | s | share | | phase of the cold start | s |",
+            "| phase of the recovery | cold restart s | warm restart s | | phase of the cold start | s |",
             "|---|---|---|---|---|---|",
         ]
         start_rows = list(start.items())
-        for i, (name, seconds) in enumerate(restart.items()):
+        for i, name in enumerate(phase_rows["cold"]):
             right = f"| {start_rows[i][0]} | {start_rows[i][1]:.2f} |" if i < len(start_rows) else "| | |"
-            lines.append(f"| {name} | {seconds:.2f} | {seconds / total:.0%} | {right}")
-        lines.append(f"| steps trained again | {redone:.2f} | | | | |")
+            lines.append(f"| {name} | {phase_rows['cold'][name]:.2f} | {phase_rows['warm'][name]:.2f} | {right}")
+        lines.append(f"| **kill -> first resumed step** | **{totals['cold']:.2f}** | **{totals['warm']:.2f}** | | | |")
         lines.append("")
     (BENCH / "RECOVERY.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
