@@ -66,14 +66,13 @@ def phases(probe_dir, attempt):
     return result, len(records)
 
 
-def zygote_memory(folder):
-    """{"rss": MB, "pss": MB} of the job's zygote (machinery/warmstart.py; its copy-on-write pages shared with the
-    worker it was forked from count half in pss), or None without one."""
+def zygote_memory(agent):
+    """{"rss": MB, "pss": MB} of the zygote of the torchrun agent `agent` (machinery/warmstart.py; its copy-on-write
+    pages shared with the worker it was forked from count half in pss), or None without one."""
+    title = f"warm-restart for torchrun pid {agent}".encode()
     for entry in os.listdir("/proc"):
         try:
-            if not entry.isdigit() or Path(f"/proc/{entry}/comm").read_text().strip() != "warm-restart":
-                continue
-            if str(folder).encode() not in Path(f"/proc/{entry}/cmdline").read_bytes():
+            if not entry.isdigit() or not Path(f"/proc/{entry}/cmdline").read_bytes().startswith(title):
                 continue
             rollup = Path(f"/proc/{entry}/smaps_rollup").read_text().splitlines()[1:]
             fields = dict(line.split(":", 1) for line in rollup)
@@ -109,7 +108,7 @@ def one_kill(project, folder, ranks, mode):
     try:
         wait_for(lambda: list(probe_dir.glob("phases-rank*-attempt0.json")), 300, "the first step")
         time.sleep(random.uniform(1.0, 2.0))
-        zygote = zygote_memory(folder)
+        zygote = zygote_memory(proc.pid)
         pids = worker_pids(proc.pid)
         victim = random.randrange(ranks)
         before = logged_steps(metrics)

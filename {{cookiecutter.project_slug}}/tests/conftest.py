@@ -160,9 +160,6 @@ def rank_pids(accept):
                 cmdline = handle.read()
             if not accept(int(entry), parent, cmdline):
                 continue
-            with open(f"/proc/{entry}/comm", "rb") as handle:
-                if handle.read().strip() == b"warm-restart":  # a job's zygote (machinery/warmstart.py), no rank
-                    continue
             with open(f"/proc/{entry}/environ", "rb") as handle:
                 variables = handle.read().split(b"\0")
         except (OSError, ValueError, IndexError):

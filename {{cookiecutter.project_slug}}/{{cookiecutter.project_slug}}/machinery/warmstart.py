@@ -82,6 +82,35 @@ def _set_name(name: bytes) -> None:
         pass
 
 
+def _rewrite_command_line(args: list[str], scrub_environment: bool = False) -> None:
+    """Rewrite what /proc/<pid>/cmdline (ps, pgrep -f) shows, in place, as setproctitle does; optionally make
+    /proc/<pid>/environ name no variable (each entry becomes `_=___`, its length kept).
+
+    The zygote is a copy of local rank 0: without this, a tool that finds a job's ranks by their command line and
+    RANK would take the zygote (or a child of it, whose memory holds the zygote's first environment) for a rank.
+    Nothing is written unless the memory holds what /proc shows.
+    """
+    fields = joblock.proc_stat(os.getpid())
+    try:
+        arg_start, arg_end, env_start, env_end = (int(fields[i]) for i in range(45, 49)) if fields else (0,) * 4
+        with open("/proc/self/cmdline", "rb") as handle:
+            shown = handle.read()
+        with open("/proc/self/environ", "rb") as handle:
+            environment = handle.read()
+    except (OSError, ValueError, IndexError):
+        return
+    size = arg_end - arg_start
+    if size <= 0 or ctypes.string_at(arg_start, size) != shown[:size]:
+        return
+    wanted = "\0".join(args).encode(errors="replace")[: size - 1]
+    ctypes.memmove(arg_start, wanted + b"\0" * (size - len(wanted)), size)
+    size = env_end - env_start
+    if scrub_environment and size > 0 and ctypes.string_at(env_start, size) == environment[:size]:
+        entries = environment[:size].split(b"\0")
+        scrubbed = [b"_=" + b"_" * (len(e) - 2) if len(e) >= 2 else b"_" * len(e) for e in entries]
+        ctypes.memmove(env_start, b"\0".join(scrubbed)[:size], size)
+
+
 def _torchrun_worker() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
 
@@ -154,6 +183,7 @@ def handoff() -> None:
             "env": dict(os.environ),
             "executable": sys.executable,
             "agent": agent,
+            "cmdline": Path("/proc/self/cmdline").read_bytes().decode(errors="replace").rstrip("\0").split("\0"),
         }
         payload = json.dumps(request).encode()
         message = _LENGTH.pack(len(payload)) + payload
@@ -237,6 +267,7 @@ class _Zygote:
 
     def run(self) -> None:
         _set_name(NAME.encode())
+        _rewrite_command_line([f"{NAME} for torchrun pid {self.agent}"], scrub_environment=True)
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):  # hold none of the worker's pipes or log files open
             os.dup2(devnull, fd)
@@ -392,6 +423,7 @@ class _Zygote:
             conn.close()
             os.setsid()  # its own process group, signalled as a whole like torchrun's workers
             _set_name(self.name)
+            _rewrite_command_line(request["cmdline"])  # the stand-in's; the environ stays the zygote's: no RANK
             os.sched_setaffinity(0, os.sched_getaffinity(stand_in))  # the CPUs torchrun gave this rank's worker
             joblock.set_parent_death_signal()  # the zygote gone (the job over): so is this child
             for fd, target in zip(fds, (0, 1, 2), strict=True):
