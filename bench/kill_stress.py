@@ -120,7 +120,7 @@ def main():
                 run.stop()
             text = run.text()
             row["failed_attempts"] = text.count(FAILED_ATTEMPT)
-            resumed_from = re.findall(r"resuming from step (\d+)", text)
+            resumed_from = re.findall(r"resuming run \S+ from step (\d+)", text)
             row["resumed_from"] = int(resumed_from[-1]) if resumed_from else None
             attempt = last_attempt_first_step(run)
             row["attempts"] = attempt[0] + 1 if attempt else 0
