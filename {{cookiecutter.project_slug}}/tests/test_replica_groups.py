@@ -81,7 +81,12 @@ def group_jobs(port, args, restarts, folder):
     jobs = []
     for group in range(GROUPS):
         env = child_env(
-            TORCHFT_LIGHTHOUSE=f"http://localhost:{port}", REPLICA_GROUP_ID=group, NUM_REPLICA_GROUPS=GROUPS
+            TORCHFT_LIGHTHOUSE=f"http://localhost:{port}",
+            REPLICA_GROUP_ID=group,
+            NUM_REPLICA_GROUPS=GROUPS,
+            # Cold restarts: a restarted group stays away for seconds, long enough to see the live group train on
+            # without it. A warm restart is back within 1-2 s, hardly longer than the lighthouse takes to drop it.
+            WARM_RESTART=0,
         )
         output = open(folder / f"group{group}-{restarts}.out", "w")
         command = train_cmd(RANKS, [f"--max-restarts={restarts}"]) + args

@@ -172,6 +172,7 @@ class ReplicaGroup:
             pg = torchft.ProcessGroupNCCL(timeout=TIMEOUT)
         else:
             pg = torchft.ProcessGroupGloo(timeout=TIMEOUT)
+        self._pg = pg
         self.manager = torchft.Manager(
             pg=pg,
             load_state_dict=self._heal,
@@ -300,6 +301,10 @@ class ReplicaGroup:
     def close(self) -> None:
         self._closed.set()
         self.manager.shutdown(wait=False)
+        # torchft's manager keeps its process group to the end (its shutdown leaves it): dropped here, gloo's threads
+        # are joined now, not in the interpreter's shutdown, where a thread still running aborts the process
+        # (SIGABRT, "terminate called without an active exception": seen at the end of a run that had succeeded)
+        self._pg.shutdown()
 
 
 def _children(parent: int) -> list[int]:
