@@ -198,10 +198,29 @@ def wait_for(predicate, timeout=60, interval=0.05, what="condition"):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_port(count=1):
+    """The first of `count` ports in a row that are free now, below the kernel's range for outgoing connections:
+    a port from bind(("", 0)) comes from that range, so a connection made meanwhile could take it (or the next
+    one, which DEBUG_PORT + LOCAL_RANK uses) before the process it is meant for binds it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            ephemeral = int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    for _ in range(1000):
+        base = random.SystemRandom().randint(min(20000, ephemeral // 2), ephemeral - count)  # whatever seeds tests set
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                sockets.append(socket.socket())
+                sockets[-1].bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no {count} free ports in a row below {ephemeral}")
 
 
 def final_model(snapshot_dir):

@@ -304,7 +304,7 @@ def test_vscode_files_parse_and_every_variable_resolves(tmp_path):
 @pytest.mark.slow
 def test_attach_to_rank_2_of_3_outlives_the_collective_timeout(tmp_path, cleanup):
     source, line, _ = step_breakpoints()
-    port, dist_timeout = free_port(), 2
+    port, dist_timeout = free_port(3), 2  # rank 2 listens on port + 2
     started = time.monotonic()
     job = Job(
         train_cmd(3) + SHORT + ["--dist-timeout", str(dist_timeout)] + outputs(tmp_path),
@@ -339,7 +339,7 @@ def test_attach_to_rank_2_of_3_outlives_the_collective_timeout(tmp_path, cleanup
 @pytest.mark.slow
 def test_debug_rank_all_stops_every_rank_and_a_rank_condition_stops_one(tmp_path, cleanup):
     source, line, second = step_breakpoints()
-    port = free_port()
+    port = free_port(2)  # rank 1 listens on the next one
     job = Job(
         train_cmd(2) + SHORT + outputs(tmp_path),
         child_env(DEBUG_RANK="all", DEBUG_PORT=port, PYDEVD_DISABLE_FILE_VALIDATION=1),
