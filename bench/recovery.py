@@ -159,9 +159,11 @@ def _step_seconds(log):
 def breakdown(result):
     """[(phase, seconds)] from the kill to the first resumed step, and of the cold start."""
     warm, cold = result["restart"], result["cold"]
+    # No "closing signal" line before the failure: the survivors had left before the agent signalled them.
+    stopping = min(result["stopping"] or result["failed"], result["failed"])
     restart = [
-        ("detect", result["stopping"] - result["kill"]),
-        ("stop survivors", result["failed"] - result["stopping"]),
+        ("detect", stopping - result["kill"]),
+        ("stop survivors", result["failed"] - stopping),
         ("respawn", warm["process_start"] - result["failed"]),
         ("import torch", warm["torch_imported"] - warm["process_start"]),
         ("rendezvous + pg", warm["process_group"] - warm["torch_imported"]),
