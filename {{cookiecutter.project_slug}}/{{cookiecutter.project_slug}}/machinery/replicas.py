@@ -211,9 +211,11 @@ class ReplicaGroup:
         start, groups = self.manager.current_step(), self.info.groups
         deadline = time.monotonic() + self._quorum_timeout.total_seconds()
 
+        def alone() -> bool:  # fewer groups than the job's, and none has trained yet
+            return self.manager.num_participants() < groups and self.manager.current_step() == start
+
         def waiting() -> bool:  # the group's ranks decide together (their deadlines differ by a little)
-            alone = self.manager.num_participants() < groups and self.manager.current_step() == start
-            return distributed.all_true(self.env, alone and time.monotonic() < deadline)
+            return distributed.all_true(self.env, alone() and time.monotonic() < deadline)
 
         if waiting():
             here = self.manager.num_participants()
@@ -223,7 +225,7 @@ class ReplicaGroup:
             while waiting():
                 time.sleep(0.1)
                 self.manager.start_quorum()
-            if self.manager.num_participants() < groups and self.manager.current_step() == start:
+            if alone():
                 log.warning(
                     "replica group %d starts with %d of %d replica groups: the others did not join within %s",
                     self.info.group,

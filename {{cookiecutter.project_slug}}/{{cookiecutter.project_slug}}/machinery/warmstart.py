@@ -185,8 +185,7 @@ def handoff() -> None:
             "agent": agent,
             "cmdline": Path("/proc/self/cmdline").read_bytes().decode(errors="replace").rstrip("\0").split("\0"),
         }
-        payload = json.dumps(request).encode()
-        message = _LENGTH.pack(len(payload)) + payload
+        message = _frame(request)
         conn.sendall(message[socket.send_fds(conn, [message], [0, 1, 2]) :])
         replies = conn.makefile("rb")
         reply = json.loads(replies.readline() or b"{}")
@@ -218,11 +217,16 @@ def stop(agent: int, run_id: str) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         try:
             conn.connect(_address(agent, run_id))
-            payload = json.dumps({"quit": True}).encode()
-            conn.sendall(_LENGTH.pack(len(payload)) + payload)
+            conn.sendall(_frame({"quit": True}))
             conn.recv(1)  # closed once the zygote has stopped
         except OSError:
             pass
+
+
+def _frame(request: dict[str, Any]) -> bytes:
+    """A request to the zygote: its length, then its JSON."""
+    payload = json.dumps(request).encode()
+    return _LENGTH.pack(len(payload)) + payload
 
 
 def _exit_as(code: int) -> None:
@@ -280,8 +284,6 @@ class _Zygote:
         if agent_fd >= 0:
             self.selector.register(agent_fd, selectors.EVENT_READ, "agent")
         started = joblock.process_start(self.agent)
-        if agent_fd < 0 and not joblock.process_alive(self.agent, started):
-            return
         while True:
             events = self.selector.select(timeout=None if self.pidfds and agent_fd >= 0 else 0.05)
             if agent_fd < 0 and not joblock.process_alive(self.agent, started):
