@@ -40,6 +40,7 @@ waiting for up to 30 s (TIMEOUT below) before they drop that step and go on.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -47,10 +48,11 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import distributed, joblock, warmstart
+from .debug import postmortem_requested
 from .settings import RunError, flag
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ GROUPS = "NUM_REPLICA_GROUPS"
 # is dropped. A group that dies mid-step closes its sockets, which the others notice at once; this bounds a group
 # that hangs, or one that dies while the groups connect to each other after the quorum changed.
 TIMEOUT = datetime.timedelta(seconds=30)
+EXIT_GRACE = 3.0  # seconds a failed run's process may take to exit before it leaves without torchft's threads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +168,12 @@ class ReplicaGroup:
         warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
         self.info, self.env, self._quorum_timeout = info, env, quorum_timeout
         self._first = True
+        self._pending: list[_Bucket] = []  # this step's gradient buckets, as DDP handed them over
+        self._ddp_group: Any = None
+        self._apart = False
+        # Set before the step's last backward: compute_loss returned a sum and a count, so the gradients are scaled
+        # after backward, and only then averaged over the groups
+        self.token_weighted = False
         self._closed = threading.Event()
         self._load, self._on_heal = load_state_dict, on_heal
         store_host, store_port = distributed.store_address()
@@ -178,9 +187,10 @@ class ReplicaGroup:
             load_state_dict=self._heal,
             state_dict=state_dict,
             min_replica_size=1,
-            # The quorum, and a restarted group's fetch of a live group's state, before the step takes its data:
-            # a healed group then trains this step on its own share, at the live groups' place in the data.
-            use_async_quorum=False,
+            # The quorum is formed while the step computes (torchft's default), and a group that is behind fetches
+            # a live group's state meanwhile. It takes that state at the end of the step (should_commit), after
+            # the step's data was drawn: its share of that step counts as zero in the groups' average.
+            use_async_quorum=True,
             replica_id=f"group{info.group}",
             rank=env.rank,
             world_size=env.world_size,
@@ -234,28 +244,87 @@ class ReplicaGroup:
                     self._quorum_timeout,
                 )
 
-    def average_and_commit(self, parameters: list, buffers: list) -> bool:
-        """Average the gradients, and the floating-point buffers (BatchNorm's running statistics, which each group
-        updates on its own data), over the live groups, so that every group holds the same model; True when every
-        group of the quorum may step its optimizer. False: the step is dropped (a group failed during it)."""
-        import torch
+    def attach(self, ddp: Any) -> None:
+        """Average the gradients over the groups during backward, bucket by bucket as DDP fills them (its
+        communication hook): the groups' all-reduce of a bucket runs while backward computes the next ones."""
+        from torch.nn.parallel import DistributedDataParallel
 
-        tensors = []
-        for parameter in parameters:
-            if parameter.grad is None:  # unused in this group's batch: zero, as DDP treats it
-                parameter.grad = torch.zeros_like(parameter)
-            tensors.append(parameter.grad)
-        tensors += [buffer.data for buffer in buffers if buffer.is_floating_point()]
-        by_kind: dict[tuple, list] = {}
-        for tensor in tensors:
-            by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-        for same in by_kind.values():
-            flat = torch.cat([tensor.reshape(-1) for tensor in same])
-            self.manager.allreduce(flat).wait()  # an error is recorded, not raised: should_commit says False
-            offset = 0
-            for tensor in same:
-                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-                offset += tensor.numel()
+        if not isinstance(ddp, DistributedDataParallel):
+            raise TypeError(f"replica groups average DDP's gradient buckets, got {type(ddp).__name__}")
+        self._ddp_group = ddp.process_group
+        # (a lambda: DDP checks the annotations of a hook's arguments, and this module's are strings)
+        ddp.register_comm_hook(None, lambda state, bucket: self._comm_hook(bucket))
+
+    def _comm_hook(self, bucket: Any) -> Any:
+        """One of DDP's gradient buckets is ready: average it over the group's ranks, as DDP does, and over the
+        replica groups. The groups' average is started here and waited for in average_and_commit; DDP gets the
+        bucket back at once (its gradients are views into it: the average lands in them in place)."""
+        import torch
+        import torch.distributed as dist
+
+        buffer = bucket.buffer()
+        ranks = self.env.world_size
+        if self._apart:  # a backward whose gradients are thrown away (Parallel.settle_bucket_order)
+            done: Any = torch.futures.Future()
+            done.set_result(buffer)
+            return done
+        if self.token_weighted:  # the groups' average waits until the step's gradients are scaled (average_flat)
+            if ranks == 1:
+                done = torch.futures.Future()
+                done.set_result(buffer)
+                return done
+            work = dist.all_reduce(buffer, group=self._ddp_group, async_op=True)
+            return work.get_future().then(lambda fut: fut.value()[0].div_(ranks))
+        pending = _Bucket(buffer, bucket.parameters(), bucket.gradients())
+        if ranks > 1:
+            pending.group_work = dist.all_reduce(buffer, group=self._ddp_group, async_op=True)
+        self._pending.append(pending)
+        self._start_between_groups(wait=False)
+        done = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+
+    @contextlib.contextmanager
+    def apart(self) -> Iterator[None]:
+        """A backward whose gradients are thrown away: no rank averages them with any other."""
+        self._apart = True
+        try:
+            yield
+        finally:
+            self._apart = False
+
+    def _start_between_groups(self, wait: bool) -> None:
+        """Start the groups' average of the buckets whose average within the group is done, in bucket order (the
+        same in every group); `wait`: of every bucket, waiting for the group's own average where it runs."""
+        for pending in self._pending:
+            if pending.work is not None:
+                continue
+            if pending.group_work is not None:
+                if not wait and not pending.group_work.is_completed():
+                    return
+                pending.group_work.wait()
+                pending.buffer.div_(self.env.world_size)
+            pending.work = self.manager.allreduce(pending.buffer)  # an error is recorded, not raised
+
+    def average_and_commit(self, parameters: list, buffers: list) -> bool:
+        """Finish the gradients' average over the live groups (started during backward), average the
+        floating-point buffers too (BatchNorm's running statistics, which each group updates on its own data), so
+        that every group holds the same model; True when every group of the quorum may step its optimizer.
+        False: the step is dropped (a group failed during it)."""
+        try:
+            if self._pending:
+                self._start_between_groups(wait=True)
+                for pending in self._pending:
+                    pending.work.wait()  # an error is recorded, not raised: should_commit says False
+                    for parameter, gradient in zip(pending.parameters, pending.gradients, strict=True):
+                        if parameter.grad is None:  # unused on every rank of this group: DDP left it unset
+                            parameter.grad = gradient  # its average over the groups, not None: every group steps it
+            else:  # token-weighted: the gradients scaled within the group after backward
+                self._average_flat([self._gradient(parameter) for parameter in parameters])
+            self._average_flat([buffer.data for buffer in buffers if buffer.is_floating_point()])
+        finally:
+            self._pending = []
+            self.token_weighted = False
         committed = self.manager.should_commit()
         if not committed and self.env.rank == 0:
             error = self.manager.errored()
@@ -267,6 +336,29 @@ class ReplicaGroup:
                 str(cause).strip().splitlines()[0][:200] if str(cause).strip() else type(cause).__name__,
             )
         return committed
+
+    @staticmethod
+    def _gradient(parameter: Any) -> Any:
+        import torch
+
+        if parameter.grad is None:  # unused in this group's batch: zero, as DDP treats it
+            parameter.grad = torch.zeros_like(parameter)
+        return parameter.grad
+
+    def _average_flat(self, tensors: list) -> None:
+        """Average tensors over the groups in one all-reduce per dtype and device, through a flat copy."""
+        import torch
+
+        by_kind: dict[tuple, list] = {}
+        for tensor in tensors:
+            by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+        for same in by_kind.values():
+            flat = torch.cat([tensor.reshape(-1) for tensor in same])
+            self.manager.allreduce(flat).wait()  # an error is recorded, not raised: should_commit says False
+            offset = 0
+            for tensor in same:
+                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()
 
     def watch_siblings(self) -> None:
         """Leave at once when another rank of this group on this machine dies.
@@ -300,13 +392,49 @@ class ReplicaGroup:
         self._load(state)
         self._on_heal()
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
+        """`error`: the exception that ends the run early, if one does."""
+        quorum = getattr(self.manager, "_quorum_future", None)  # the quorum torchft forms alongside each step
         self._closed.set()
         self.manager.shutdown(wait=False)
         # torchft's manager keeps its process group to the end (its shutdown leaves it): dropped here, gloo's threads
         # are joined now, not in the interpreter's shutdown, where a thread still running aborts the process
         # (SIGABRT, "terminate called without an active exception": seen at the end of a run that had succeeded)
         self._pg.shutdown()
+        if error is not None and quorum is not None and not quorum.done():
+            self._leave_soon(2 if isinstance(error, RunError) else 1)
+
+    def _leave_soon(self, code: int) -> None:
+        """A run that fails while a quorum is being formed: torchft's quorum thread waits for the quorum (for up to
+        --dist-timeout, when a rank of this group is gone), and the interpreter's exit waits for that thread. So
+        the process leaves by itself, with the exit code it was on its way out with, EXIT_GRACE seconds from now
+        if it is still there (its error is logged and recorded for torchrun by then). Not under a debugger."""
+        if os.environ.get("DEBUGPY_RUNNING") or postmortem_requested():
+            return
+
+        def leave() -> None:
+            time.sleep(EXIT_GRACE)
+            log.warning(
+                "replica group %d: leaving without waiting for torchft's quorum thread (exit code %d)",
+                self.info.group,
+                code,
+            )
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os._exit(code)
+
+        threading.Thread(target=leave, name="replica-group-exit", daemon=True).start()
+
+
+@dataclasses.dataclass
+class _Bucket:
+    """One DDP gradient bucket of this step: its flat buffer, its parameters and their gradients' views into it."""
+
+    buffer: Any
+    parameters: list
+    gradients: list
+    group_work: Any = None  # the average over the group's own ranks (2 or more), when in flight
+    work: Any = None  # the average over the replica groups
 
 
 def _children(parent: int) -> list[int]:

@@ -11,6 +11,7 @@ The loss of a step is what the user's step returns (hooks.UserCode.step):
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -57,7 +58,8 @@ class Stepper:
         if parallel.sharded:  # as DDP does at each forward: every rank trains with rank 0's buffers
             distributed.broadcast_buffers(self.env, parallel.model)
         micro_batches = [to_device(batch, self.env.device) for batch in micro_batches]
-        parallel.settle_bucket_order(micro_batches[0])  # a resumed ddp job, once: see there
+        with self.replicas.apart() if self.replicas is not None else contextlib.nullcontext():
+            parallel.settle_bucket_order(micro_batches[0])  # a resumed ddp job or a replica group, once: see there
         step_loss = torch.zeros((), device=self.env.device)
         sums = torch.zeros(2, dtype=torch.float64, device=self.env.device)  # token-weighted: loss sum, count
         token_weighted = None
@@ -69,6 +71,8 @@ class Stepper:
                     raise RunError("compute_loss in model.py returned a dict for some batches and a scalar for others")
                 token_weighted = result.is_sum
                 loss = result.loss if result.is_sum else result.loss / len(micro_batches)
+                if self.replicas is not None:  # the groups' average of a sum waits until the gradients are scaled
+                    self.replicas.token_weighted = result.is_sum
                 self.scaler.scale(loss).backward()
             if result.is_sum:
                 sums += torch.stack([result.loss.detach().double(), result.count])

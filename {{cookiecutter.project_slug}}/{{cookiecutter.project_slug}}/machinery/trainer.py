@@ -115,10 +115,11 @@ class Trainer:
             write_config(cfg, self.snapshots.directory)
         self._warn_about_settings()
 
-        self.parallel.wrap(resumed=self.resumed_from >= 0)
+        self.parallel.wrap(resumed=self.resumed_from >= 0, replicated=self.group is not None)
         self.last_saved = self.resumed_from if self.resumed_from >= 0 else None
         self.hang_watch = watchdog.HangWatch(env.rank, timeout * 0.8, cfg.log_file)  # stacks, before the timeout
         self.replicas: replicas.ReplicaGroup | None = None
+        self._progress_at_quorum = dataclasses.asdict(self.progress)  # the data position a live group passes on
         if self.group is not None:  # from here on, the groups meet at every step
             self.replicas = replicas.ReplicaGroup(
                 self.group,
@@ -129,6 +130,7 @@ class Trainer:
                 self._load_shared_state,
                 self._healed,
             )
+            self.replicas.attach(self.parallel.wrapped)  # the groups average the gradients during backward
             self.stepper.replicas = self.replicas
             distributed.barrier(env)  # every rank of the group is up before each starts watching the others
             self.replicas.watch_siblings()
@@ -238,8 +240,13 @@ class Trainer:
 
     def _shared_state(self) -> dict[str, Any]:
         """What a restarted replica group takes from this one: the snapshot's shared parts, copied as they are now
-        (the transfer may still run when this group's next optimizer step changes its tensors in place)."""
+        (the transfer may still run when this group's next optimizer step changes its tensors in place).
+
+        torchft asks for it while this group's step computes (the quorum runs alongside); the weights, optimizer and
+        schedule change only at the optimizer step, but the data position moves on when the step draws its data:
+        the position is the one at the step's start."""
         state = self.state.capture()[0]
+        state["progress"] = dict(self._progress_at_quorum)
         return tree_map(lambda value: value.clone() if isinstance(value, torch.Tensor) else value, state)
 
     def _load_shared_state(self, state: dict[str, Any]) -> None:
@@ -252,10 +259,12 @@ class Trainer:
                 part.load_state_dict(state[name])
 
     def _healed(self) -> None:
-        """This group took a live group's state: go on from its step and its place in the data."""
+        """This group took a live group's state at the end of a step: go on from the live groups' place in the data
+        after that step (this group's share of it counted as zero in the groups' average)."""
         self.total_steps = self.length.steps(self.progress, self.global_batch)
         if isinstance(self.batches, Batches):
             self.batches.restart()
+            next(self.batches)  # the share of the step being committed now, which this group did not train
         self.last_saved = None
         group = self.group.group if self.group is not None else 0
         log.info("replica group %d rejoined at step %d with a live group's state", group, self.progress.step)
@@ -264,6 +273,7 @@ class Trainer:
         """With replica groups: this step's quorum of the live groups, and the state of a live one if this group
         is behind (a no-op otherwise)."""
         if self.replicas is not None:
+            self._progress_at_quorum = dataclasses.asdict(self.progress)
             self.replicas.start_step()
 
     # -- one optimizer step ------------------------------------------------------------------------------------
@@ -395,9 +405,10 @@ class Trainer:
         )
         return summary
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
+        """`error`: the exception that ends the run early, if one does."""
         if self.replicas is not None:
-            self.replicas.close()
+            self.replicas.close(error)
         self.hang_watch.close()
         self.tracker.finish()
         self.exports.close()
@@ -412,7 +423,7 @@ class Trainer:
                 self.snapshots.wait()  # a save in flight holds a good state: let it commit (not after a failure,
                 # where a lost rank's part may never come)
         finally:
-            self.close()
+            self.close(error)
 
     # -- helpers -----------------------------------------------------------------------------------------------
 
