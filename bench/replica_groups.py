@@ -1,13 +1,14 @@
 """Replica groups (--fault-tolerance torchft) against the torchrun path: steady-state speed, and what a failure costs
 the live group.
 
-Run: .venv/bin/python bench/replica_groups.py [--kills 3] [--steps 600] [--widths 256 1024]
-(bakes the template; needs torchft, which requirements-dev.txt installs; ~3 minutes)
+Run: .venv/bin/python bench/replica_groups.py [--kills 3] [--steps 300] [--widths 256 1024 2048] [--repeats 3]
+(bakes the template; needs torchft, which requirements-dev.txt installs; ~15 minutes)
 
 Steady state, per demo width: the same global batch (2 x 32 samples a step) trained by one torchrun job of 2 ranks
 (DDP) and by 2 replica groups of 1 rank each (a lighthouse, two torchrun jobs, the groups' gradient average through
-torchft). Speed: the median of the logged samples/s over the steps after the first 50 (every step logged in both).
-Cold start: a torchrun job's launch -> its first logged step.
+torchft). Speed: the median of the logged samples/s over the steps after the first 50 (every step logged in both),
+then the median over --repeats runs of each kind, run alternately. Cold start: a torchrun job's launch -> its first
+logged step.
 
 Failures: 2 groups of 1 rank train on; after group 1 has logged 30 steps its worker gets SIGKILL, torchrun restarts
 it, and it rejoins by taking group 0's state. For each kill: group 0's longest interval between two logged steps
@@ -33,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import BENCH, CpuMeter, bake, child_env, machine, scratch_dir, wait_for, worker_pids  # noqa: E402
 
+GLOBAL_BATCH = 64  # samples a step: 2 ranks x 32, or 2 groups x 1 rank x 32
 BASE = ["--wandb", "disabled", "--log-every", "1", "--eval-every", "0", "--threads-per-rank", "1"]
 HEARTBEAT_MS = 500
 
@@ -120,38 +122,52 @@ def speed(path, skip=50):
     return statistics.median(values)
 
 
-def steady_state(project, folder, width, steps):
-    """samples/s of the torchrun path and of 2 replica groups; the torchrun path's cold start."""
+def steady_state(project, folder, width, steps, repeats):
+    """samples/s of the torchrun path and of 2 replica groups, runs alternating (`repeats` of each: this machine's
+    speed drifts by several percent from run to run); the torchrun path's cold start."""
     args = BASE + ["--max-steps", str(steps), "--width", str(width), "--snapshot-every", str(steps)]
     folder.mkdir(parents=True)
-    launched = time.monotonic()
-    job = torchrun(project, 2, args + files(folder, "torchrun"), folder / "torchrun.out", child_env(folder / "probe"))
-    clock = Clock(folder / "torchrun.jsonl")
-    assert job.wait(600) == 0, (folder / "torchrun.out").read_text()[-3000:]
-    clock.close()
-    cold = min(clock.seen.values()) - launched
-    port = free_port()
-    house = lighthouse(folder, port)
-    jobs = [
-        torchrun(
-            project,
-            1,
-            args + ["--fault-tolerance", "torchft"] + files(folder, "ft"),
-            folder / f"ft{g}.out",
-            group_env(folder, port, g),
-        )
-        for g in range(2)
-    ]
-    for g, group_job in enumerate(jobs):
-        assert group_job.wait(600) == 0, (folder / f"ft{g}.out").read_text()[-3000:]
-    house.kill()
-    plain, ft = speed(folder / "torchrun.jsonl"), speed(folder / "ft.group0.jsonl")
+    plain, ft, colds = [], [], []
+    for repeat in range(repeats):
+        name = f"torchrun{repeat}"
+        launched = time.monotonic()
+        job = torchrun(project, 2, args + files(folder, name), folder / f"{name}.out", child_env(folder / "probe"))
+        clock = Clock(folder / f"{name}.jsonl")
+        assert job.wait(600) == 0, (folder / f"{name}.out").read_text()[-3000:]
+        clock.close()
+        colds.append(min(clock.seen.values()) - launched)
+        plain.append(speed(folder / f"{name}.jsonl"))
+        port = free_port()
+        house = lighthouse(folder, port)
+        name = f"ft{repeat}"
+        jobs = [
+            torchrun(
+                project,
+                1,
+                args + ["--fault-tolerance", "torchft"] + files(folder, name),
+                folder / f"{name}-{g}.out",
+                group_env(folder, port, g),
+            )
+            for g in range(2)
+        ]
+        try:
+            for g, group_job in enumerate(jobs):
+                assert group_job.wait(600) == 0, (folder / f"{name}-{g}.out").read_text()[-3000:]
+        finally:
+            house.kill()
+        ft.append(speed(folder / f"{name}.group0.jsonl"))
+    plain_s, ft_s = statistics.median(plain), statistics.median(ft)
     return {
         "width": width,
-        "torchrun_samples_per_s": plain,
-        "ft_samples_per_s": ft,
-        "ratio": ft / plain,
-        "torchrun_cold_start_s": cold,
+        "torchrun_samples_per_s": plain_s,
+        "ft_samples_per_s": ft_s,
+        "ratio": ft_s / plain_s,
+        "pair_ratios": [f / p for f, p in zip(ft, plain, strict=True)],
+        "torchrun_step_ms": 1000 * GLOBAL_BATCH / plain_s,
+        "ft_step_ms": 1000 * GLOBAL_BATCH / ft_s,
+        "torchrun_runs": plain,
+        "ft_runs": ft,
+        "torchrun_cold_start_s": statistics.median(colds),
     }
 
 
@@ -246,14 +262,15 @@ def import_costs(project, package, repeats=5):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kills", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--widths", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--widths", type=int, nargs="+", default=[256, 1024, 2048])
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each kind per width, alternating")
     options = parser.parse_args()
     scratch = scratch_dir("replica-groups-")
     project, package = bake(scratch)
     meter = CpuMeter()
     imports = import_costs(project, package)
-    steady = [steady_state(project, scratch / f"steady-{w}", w, options.steps) for w in options.widths]
+    steady = [steady_state(project, scratch / f"steady-{w}", w, options.steps, options.repeats) for w in options.widths]
     for row in steady:
         print(row, flush=True)
     failed = failures(project, scratch / "failures", options.kills)
@@ -280,19 +297,24 @@ def write_report(result):
         f"other processes used {result['noise']['foreign_cores']:.2f} cores on average. torchft 0.2.0, lighthouse "
         f"`--heartbeat_timeout_ms {HEARTBEAT_MS}`. Command: `.venv/bin/python bench/replica_groups.py "
         f"--kills {result['options']['kills']} --steps {result['options']['steps']} --widths "
-        f"{' '.join(map(str, result['options']['widths']))}`.",
+        f"{' '.join(map(str, result['options']['widths']))} --repeats {result['options']['repeats']}`.",
         "",
         "## Steady state (nothing fails): 2 replica groups x 1 rank against one torchrun job of 2 ranks",
         "",
-        "Same global batch (64 samples a step), every step logged; median samples/s after step 50.",
+        f"Same global batch ({GLOBAL_BATCH} samples a step), every step logged; per run the median samples/s after "
+        f"step 50, then the median of {result['options']['repeats']} runs of each kind, run alternately. Ratio: of "
+        "those medians; per pair: each replica-group run against the torchrun run just before it.",
         "",
-        "| demo --width | torchrun path samples/s | replica groups samples/s | ratio | torchrun cold start (s) |",
-        "|---|---|---|---|---|",
+        "| demo --width | torchrun path samples/s (step) | replica groups samples/s (step) | ratio | per pair | "
+        "added per step | torchrun cold start (s) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in steady:
+        pairs = ", ".join(f"{ratio:.2f}" for ratio in row["pair_ratios"])
         lines.append(
-            f"| {row['width']} | {row['torchrun_samples_per_s']:.0f} | {row['ft_samples_per_s']:.0f} | "
-            f"{row['ratio']:.2f}x | {row['torchrun_cold_start_s']:.2f} |"
+            f"| {row['width']} | {row['torchrun_samples_per_s']:.0f} ({row['torchrun_step_ms']:.1f} ms) | "
+            f"{row['ft_samples_per_s']:.0f} ({row['ft_step_ms']:.1f} ms) | {row['ratio']:.2f}x | {pairs} | "
+            f"{row['ft_step_ms'] - row['torchrun_step_ms']:.1f} ms | {row['torchrun_cold_start_s']:.2f} |"
         )
     lines += [
         "",
@@ -332,24 +354,27 @@ def torchrun_path(result, cold):
     if not recovery_file.exists():
         return lines
     runs = [run for run in json.loads(recovery_file.read_text())["runs"] if run["ranks"] == 2]
-    recover = statistics.median(run["restart"]["first_step"] - run["kill"] for run in runs)
-    torchrun_cold = statistics.median(run["cold"]["first_step"] - run["cold"]["launch"] for run in runs)
-    imported = statistics.median(run["restart"]["torch_imported"] - run["kill"] for run in runs)
-    after_pg = statistics.median(run["restart"]["first_step"] - run["restart"]["process_group"] for run in runs)
+
+    def median(mode, measure):
+        return statistics.median(measure(run) for run in runs if run.get("mode", "cold") == mode)
+
+    cold_start = median("cold", lambda run: run["cold"]["first_step"] - run["cold"]["launch"])
+    cold_back = median("cold", lambda run: run["restart"]["first_step"] - run["kill"])
+    imported = median("cold", lambda run: run["restart"]["torch_imported"] - run["kill"])
+    warm_back = median("warm", lambda run: run["restart"]["first_step"] - run["kill"])
     costs = list(result["imports"].values())
     ours = costs[2]["cpu_s"] - costs[1]["cpu_s"]
     live = statistics.median(row["live_lost_s"] for row in result["failures"]["kills"])
     lines += [
         "",
-        f"bench/RECOVERY.md (2 ranks, {len(runs)} kills, medians): kill -> first resumed step {recover:.2f} s against "
-        f"a cold start of {torchrun_cold:.2f} s ({recover / torchrun_cold:.2f}x). The restarted workers have only "
-        f"imported torch {imported:.2f} s after the kill ({imported / torchrun_cold:.2f}x of that cold start), "
-        f"before any of the project's code runs. The project's own share: its package imports cost "
-        f"{ours:.2f} CPU s beyond torch and dynamo (above), and the snapshot read and first step "
-        f"{after_pg:.2f} s after the process group is up. A torchrun restart starts new interpreters, so it cannot "
-        f"come under the time of `import torch`; the replica groups above keep the live group's interpreter: it "
-        f"loses a median {live:.2f} s per failure ({live / cold:.2f}x of this run's torchrun cold start of "
-        f"{cold:.2f} s), the lighthouse's heartbeat timeout.",
+        f"bench/RECOVERY.md (2 ranks, medians): with new interpreters (`WARM_RESTART=0`) the torchrun path is back "
+        f"{cold_back:.2f} s after a kill against a cold start of {cold_start:.2f} s ({cold_back / cold_start:.2f}x); "
+        f"the restarted workers have only imported torch {imported:.2f} s after the kill. The project's package "
+        f"imports cost {ours:.2f} CPU s beyond torch and dynamo (above). Warm restarts (the default) skip those "
+        f"imports: back {warm_back:.2f} s after a kill ({warm_back / cold_start:.2f}x), every rank of the job "
+        f"waiting meanwhile. The replica groups above keep the live group's interpreter and its place: it loses a "
+        f"median {live:.2f} s per failure ({live / cold:.2f}x of this run's torchrun cold start of {cold:.2f} s), "
+        "the lighthouse's heartbeat timeout.",
     ]
     return lines
 

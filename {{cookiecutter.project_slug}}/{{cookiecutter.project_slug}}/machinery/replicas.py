@@ -14,7 +14,8 @@ a live group (over HTTP, not from disk) and rejoins at the step they are at.
 
 What changes against plain torchrun:
 - The data: the step's global batch is every group's share (NUM_REPLICA_GROUPS x ranks x --batch-size x
-  --grad-accum samples). A step taken while a group is down trains without that group's share; a step during which
+  --grad-accum samples). A step taken while a group is down trains without that group's share, and so does the
+  step at whose end a restarted group takes a live group's state (its share counts as zero); a step during which
   a group fails is dropped by the others and taken again with the same data. So a run with a failure no longer
   matches an uninterrupted one bit for bit. Without failures every group holds the same weights after every step
   (gradients and floating-point buffers such as BatchNorm's statistics are averaged over the groups).
@@ -28,14 +29,19 @@ What changes against plain torchrun:
   guard against losing every group at once: groups launched again resume from their newest snapshots, and the ones
   behind take the state of the one furthest on.
 - wandb logs from group 0 only.
-- The cost when nothing fails: a quorum and one more all-reduce (gradients and buffers) per step; bench/RECOVERY.md
-  measures it.
+- How a step runs: torchft forms the step's quorum while the step computes (in a thread of its own); each of
+  DDP's gradient buckets, once averaged within the group, is averaged over the groups while backward computes the
+  next ones (DDP's communication hook); then the buffers are averaged and every rank asks torchft whether the
+  step may be committed. The cost when nothing fails, against plain torchrun: that commit call, the quorum's
+  calls, and the all-reduce between the groups where it does not overlap backward (bench/REPLICA_GROUPS.md).
 - Token-weighted losses (compute_loss returning a sum and a count) are averaged within each group over the group's
-  tokens, then over the groups equally.
+  tokens, then over the groups equally; their average over the groups starts after backward, once the gradients
+  are scaled by the group's count.
 
 Not available in this mode (refused at start): --strategy fsdp, streaming (IterableDataset) training data. A group
 that dies while the groups connect to each other (within a step of the quorum changing) can leave the others
-waiting for up to 30 s (TIMEOUT below) before they drop that step and go on.
+waiting for up to 30 s (TIMEOUT below) before they drop that step and go on. A run that fails while torchft forms
+a quorum leaves EXIT_GRACE seconds after its error (the quorum thread would hold its exit until --dist-timeout).
 """
 
 from __future__ import annotations
