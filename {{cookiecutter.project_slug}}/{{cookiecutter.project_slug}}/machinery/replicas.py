@@ -274,14 +274,14 @@ class ReplicaGroup:
             done: Any = torch.futures.Future()
             done.set_result(buffer)
             return done
-        if self.token_weighted:  # the groups' average waits until the step's gradients are scaled (average_flat)
+        if self.token_weighted:  # the groups' average waits until the step's gradients are scaled (_average_flat)
             if ranks == 1:
                 done = torch.futures.Future()
                 done.set_result(buffer)
                 return done
             work = dist.all_reduce(buffer, group=self._ddp_group, async_op=True)
             return work.get_future().then(lambda fut: fut.value()[0].div_(ranks))
-        pending = _Bucket(buffer, bucket.parameters(), bucket.gradients())
+        pending = _Bucket(buffer)
         if ranks > 1:
             pending.group_work = dist.all_reduce(buffer, group=self._ddp_group, async_op=True)
         self._pending.append(pending)
@@ -322,9 +322,6 @@ class ReplicaGroup:
                 self._start_between_groups(wait=True)
                 for pending in self._pending:
                     pending.work.wait()  # an error is recorded, not raised: should_commit says False
-                    for parameter, gradient in zip(pending.parameters, pending.gradients, strict=True):
-                        if parameter.grad is None:  # unused on every rank of this group: DDP left it unset
-                            parameter.grad = gradient  # its average over the groups, not None: every group steps it
             else:  # token-weighted: the gradients scaled within the group after backward
                 self._average_flat([self._gradient(parameter) for parameter in parameters])
             self._average_flat([buffer.data for buffer in buffers if buffer.is_floating_point()])
@@ -434,11 +431,9 @@ class ReplicaGroup:
 
 @dataclasses.dataclass
 class _Bucket:
-    """One DDP gradient bucket of this step: its flat buffer, its parameters and their gradients' views into it."""
+    """One DDP gradient bucket of this step: its flat buffer (the gradients of its parameters are views into it)."""
 
     buffer: Any
-    parameters: list
-    gradients: list
     group_work: Any = None  # the average over the group's own ranks (2 or more), when in flight
     work: Any = None  # the average over the replica groups
 

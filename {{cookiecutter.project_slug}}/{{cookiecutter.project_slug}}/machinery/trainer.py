@@ -244,7 +244,9 @@ class Trainer:
 
         torchft asks for it while this group's step computes (the quorum runs alongside); the weights, optimizer and
         schedule change only at the optimizer step, but the data position moves on when the step draws its data:
-        the position is the one at the step's start."""
+        the position is the one at the step's start. Floating-point buffers (BatchNorm's statistics) change during
+        forward: the healed group's may be those of a moment later, and match the other groups' again once the next
+        step has averaged them."""
         state = self.state.capture()[0]
         state["progress"] = dict(self._progress_at_quorum)
         return tree_map(lambda value: value.clone() if isinstance(value, torch.Tensor) else value, state)
