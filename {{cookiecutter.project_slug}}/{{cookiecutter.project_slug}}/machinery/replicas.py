@@ -265,30 +265,22 @@ class ReplicaGroup:
         """One of DDP's gradient buckets is ready: average it over the group's ranks, as DDP does, and over the
         replica groups. The groups' average is started here and waited for in average_and_commit; DDP gets the
         bucket back at once (its gradients are views into it: the average lands in them in place)."""
-        import torch
         import torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         buffer = bucket.buffer()
         ranks = self.env.world_size
         if self._apart:  # a backward whose gradients are thrown away (Parallel.settle_bucket_order)
-            done: Any = torch.futures.Future()
-            done.set_result(buffer)
-            return done
+            return _ready(buffer)
         if self.token_weighted:  # the groups' average waits until the step's gradients are scaled (_average_flat)
-            if ranks == 1:
-                done = torch.futures.Future()
-                done.set_result(buffer)
-                return done
-            work = dist.all_reduce(buffer, group=self._ddp_group, async_op=True)
-            return work.get_future().then(lambda fut: fut.value()[0].div_(ranks))
+            return default_hooks.allreduce_hook(self._ddp_group, bucket) if ranks > 1 else _ready(buffer)
         pending = _Bucket(buffer)
         if ranks > 1:
+            buffer.div_(ranks)  # first, as DDP does
             pending.group_work = dist.all_reduce(buffer, group=self._ddp_group, async_op=True)
         self._pending.append(pending)
         self._start_between_groups(wait=False)
-        done = torch.futures.Future()
-        done.set_result(buffer)
-        return done
+        return _ready(buffer)
 
     @contextlib.contextmanager
     def apart(self) -> Iterator[None]:
@@ -309,7 +301,6 @@ class ReplicaGroup:
                 if not wait and not pending.group_work.is_completed():
                     return
                 pending.group_work.wait()
-                pending.buffer.div_(self.env.world_size)
             pending.work = self.manager.allreduce(pending.buffer)  # an error is recorded, not raised
 
     def average_and_commit(self, parameters: list, buffers: list) -> bool:
@@ -427,6 +418,15 @@ class ReplicaGroup:
             os._exit(code)
 
         threading.Thread(target=leave, name="replica-group-exit", daemon=True).start()
+
+
+def _ready(tensor: Any) -> Any:
+    """A future that holds `tensor` already (what a DDP communication hook returns when nothing is left to wait for)."""
+    import torch
+
+    done: Any = torch.futures.Future()
+    done.set_result(tensor)
+    return done
 
 
 @dataclasses.dataclass
