@@ -117,6 +117,14 @@ def group_env(folder, port, group):
     )
 
 
+def groups(project, args, folder, name, port, restarts=0):
+    """The 2 replica groups of 1 rank, each its own torchrun job; group g's output in <name>-group<g>.out."""
+    return [
+        torchrun(project, 1, args, folder / f"{name}-group{g}.out", group_env(folder, port, g), restarts=restarts)
+        for g in range(2)
+    ]
+
+
 def speed(path, skip=50):
     values = [r["samples_per_s"] for r in records(path) if r["step"] > skip and "samples_per_s" in r]
     return statistics.median(values)
@@ -140,19 +148,10 @@ def steady_state(project, folder, width, steps, repeats):
         port = free_port()
         house = lighthouse(folder, port)
         name = f"ft{repeat}"
-        jobs = [
-            torchrun(
-                project,
-                1,
-                args + ["--fault-tolerance", "torchft"] + files(folder, name),
-                folder / f"{name}-{g}.out",
-                group_env(folder, port, g),
-            )
-            for g in range(2)
-        ]
+        jobs = groups(project, args + ["--fault-tolerance", "torchft"] + files(folder, name), folder, name, port)
         try:
             for g, group_job in enumerate(jobs):
-                assert group_job.wait(600) == 0, (folder / f"{name}-{g}.out").read_text()[-3000:]
+                assert group_job.wait(600) == 0, (folder / f"{name}-group{g}.out").read_text()[-3000:]
         finally:
             house.kill()
         ft.append(speed(folder / f"{name}.group0.jsonl"))
@@ -178,9 +177,7 @@ def failures(project, folder, kills):
     args = BASE + ["--max-steps", "1000000", "--snapshot-every", "50", "--fault-tolerance", "torchft"]
     args += files(folder, "ft")
     launched = time.monotonic()
-    jobs = [
-        torchrun(project, 1, args, folder / f"ft{g}.out", group_env(folder, port, g), restarts=kills) for g in range(2)
-    ]
+    jobs = groups(project, args, folder, "ft", port, restarts=kills)
     clocks = [Clock(folder / f"ft.group{g}.jsonl") for g in range(2)]
     results = []
     try:
