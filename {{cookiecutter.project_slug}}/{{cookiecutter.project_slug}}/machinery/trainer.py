@@ -356,7 +356,10 @@ class Trainer:
 
     def finish(self, stop: StopRequest) -> Summary:
         """Final snapshot, export and summary (also for a run that was already complete when it started)."""
-        stop.close()
+        # The flag-only handlers stay until train() leaves its StopRequest: torchrun SIGTERMs this rank as soon as
+        # another stopped rank has exited, and the default action would end it before its stop record is written
+        # (then the restart trains on, and the job ends with code 0)
+        stop.close(restore_handlers=False)
         stopped = stop.stopped
         if stopped:
             self._warn_once(
