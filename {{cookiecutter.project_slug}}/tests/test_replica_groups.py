@@ -175,3 +175,10 @@ def test_replica_groups_without_their_environment_are_refused_in_one_line(tmp_pa
     assert code == 2, out
     assert "REPLICA_GROUP_ID" in out and "Traceback" not in out
     assert not (tmp_path / "snapshots").exists()
+    # No lighthouse at the address (nothing listens on the port): the error names the variable, within --dist-timeout
+    nothing = f"http://localhost:{free_port()}"
+    env = child_env(TORCHFT_LIGHTHOUSE=nothing, REPLICA_GROUP_ID=0, NUM_REPLICA_GROUPS=2)
+    cmd = train_cmd(1) + QUICK + ["--fault-tolerance", "torchft", "--dist-timeout", "2"]
+    code, out = finish(start(cmd, env=env, cwd=tmp_path))
+    assert code != 0 and f"TORCHFT_LIGHTHOUSE={nothing}" in out, out[-3000:]
+    assert not list((tmp_path / "snapshots").glob("*/snap*")), "nothing trained, nothing saved"

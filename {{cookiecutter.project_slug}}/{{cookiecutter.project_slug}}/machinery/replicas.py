@@ -71,6 +71,7 @@ GROUPS = "NUM_REPLICA_GROUPS"
 # is dropped. A group that dies mid-step closes its sockets, which the others notice at once; this bounds a group
 # that hangs, or one that dies while the groups connect to each other after the quorum changed.
 TIMEOUT = datetime.timedelta(seconds=30)
+CONNECT_TIMEOUT = datetime.timedelta(seconds=60)  # torchft's own default, for reaching the lighthouse
 EXIT_GRACE = 3.0  # seconds a failed run's process may take to exit before it leaves without torchft's threads
 
 
@@ -188,26 +189,39 @@ class ReplicaGroup:
         else:
             pg = torchft.ProcessGroupGloo(timeout=TIMEOUT)
         self._pg = pg
-        self.manager = torchft.Manager(
-            pg=pg,
-            load_state_dict=self._heal,
-            state_dict=state_dict,
-            min_replica_size=1,
-            # The quorum is formed while the step computes (torchft's default), and a group that is behind fetches
-            # a live group's state meanwhile. It takes that state at the end of the step (should_commit), after
-            # the step's data was drawn: its share of that step counts as zero in the groups' average.
-            use_async_quorum=True,
-            replica_id=f"group{info.group}",
-            rank=env.rank,
-            world_size=env.world_size,
-            # This attempt's own store, not torchrun's, which keeps the keys of a failed attempt (the address of
-            # its dead manager server) across restarts
-            store_addr=store_host,
-            store_port=store_port,
-            timeout=TIMEOUT,
-            quorum_timeout=quorum_timeout,  # how long a group waits for the others to form a quorum: --dist-timeout
-            init_sync=False,  # every group builds the same initial weights from --seed
-        )
+        # How long rank 0 of the group tries to reach the lighthouse (and the other ranks their group's rank 0):
+        # torchft's default of 60 s, or --dist-timeout where that is shorter
+        connect = min(CONNECT_TIMEOUT, quorum_timeout)
+        try:
+            self.manager = torchft.Manager(
+                pg=pg,
+                load_state_dict=self._heal,
+                state_dict=state_dict,
+                min_replica_size=1,
+                # The quorum is formed while the step computes (torchft's default), and a group that is behind fetches
+                # a live group's state meanwhile. It takes that state at the end of the step (should_commit), after
+                # the step's data was drawn: its share of that step counts as zero in the groups' average.
+                use_async_quorum=True,
+                replica_id=f"group{info.group}",
+                rank=env.rank,
+                world_size=env.world_size,
+                # This attempt's own store, not torchrun's, which keeps the keys of a failed attempt (the address of
+                # its dead manager server) across restarts
+                store_addr=store_host,
+                store_port=store_port,
+                timeout=TIMEOUT,
+                quorum_timeout=quorum_timeout,  # how long a group waits for the others to form a quorum: --dist-timeout
+                connect_timeout=connect,
+                init_sync=False,  # every group builds the same initial weights from --seed
+            )
+        except RuntimeError as exc:
+            if "failed to connect" not in str(exc):
+                raise
+            raise RunError(
+                f"replica group {info.group} could not reach the torchft lighthouse at {LIGHTHOUSE}={info.lighthouse} "
+                f"within {connect.total_seconds():g} s ({_first_line(exc).rsplit(': ', 1)[-1][:200]}): start it first "
+                "(torchft_lighthouse --min_replicas 1 --bind [::]:PORT, one per job), or correct the address"
+            ) from None
         self.manager.load_state_dict({"step": step, "batches_committed": step * info.groups})
 
     def start_step(self) -> None:
@@ -327,7 +341,7 @@ class ReplicaGroup:
                 "replica group %d: step %d dropped, to be taken again (a replica group failed during it: %s)",
                 self.info.group,
                 self.manager.current_step() + 1,
-                str(cause).strip().splitlines()[0][:200] if str(cause).strip() else type(cause).__name__,
+                _first_line(cause)[:200],
             )
         return committed
 
@@ -418,6 +432,11 @@ class ReplicaGroup:
             os._exit(code)
 
         threading.Thread(target=leave, name="replica-group-exit", daemon=True).start()
+
+
+def _first_line(error: Any) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _ready(tensor: Any) -> Any:
