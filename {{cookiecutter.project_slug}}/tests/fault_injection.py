@@ -5,6 +5,8 @@ The fault is chosen by environment variables:
     FAULT=crash_in_save       rank FAULT_RANK is SIGKILLed halfway through writing FAULT_FILE ("rank" or
                               "manifest") of the snapshot of step FAULT_STEP, leaving a temp file behind
     FAULT=kill_after_commit   rank 0 is SIGKILLed right after it commits the snapshot of step FAULT_STEP
+    FAULT=raise_in_quorum     (--fault-tolerance torchft) rank FAULT_RANK raises right after it starts its first
+                              step's quorum, while torchft forms the quorum in its own thread
     FAULT_ONCE=<path>         fire only if <path> does not exist (it is created on firing), so a restart runs clean
     NO_RNG_RESTORE=1          resume without restoring the random streams (to prove the resume test can fail)
     COUNT_ALLREDUCE=1         print "gradient all-reduces: N" on rank 0 at exit
@@ -95,6 +97,15 @@ if FAULT == "kill_after_commit" and RANK == 0:
             os.kill(os.getpid(), signal.SIGKILL)
 
     snapshot.Snapshots._commit = commit_then_die
+
+if FAULT == "raise_in_quorum" and RANK == FAULT_RANK:
+    from {{ cookiecutter.project_slug }}.machinery import replicas
+
+    def start_step_then_fail(self):
+        self.manager.start_quorum()
+        raise RuntimeError(f"injected failure on rank {RANK} while the quorum forms")
+
+    replicas.ReplicaGroup.start_step = start_step_then_fail
 
 if os.environ.get("NO_RNG_RESTORE"):
     trainer.restore_rng = lambda state: None

@@ -21,13 +21,13 @@ GROUPS = 2
 RANKS = 2  # per group: DDP inside each group, torchft between the groups
 
 
-def lighthouse(port):
+def lighthouse(port, min_replicas=1):
     binary = Path(sys.executable).parent / "torchft_lighthouse"
     command = str(binary) if binary.exists() else shutil.which("torchft_lighthouse")
     assert command, "torchft_lighthouse is not installed (it comes with torchft)"
     # The heartbeat timeout is how long the live group waits for a quorum without the dead one.
     return subprocess.Popen(
-        [command, "--min_replicas", "1", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "500"]
+        [command, "--min_replicas", str(min_replicas), "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "500"]
         + ["--bind", f"[::]:{port}"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -182,3 +182,17 @@ def test_replica_groups_without_their_environment_are_refused_in_one_line(tmp_pa
     code, out = finish(start(cmd, env=env, cwd=tmp_path))
     assert code != 0 and f"TORCHFT_LIGHTHOUSE={nothing}" in out, out[-3000:]
     assert not list((tmp_path / "snapshots").glob("*/snap*")), "nothing trained, nothing saved"
+
+
+def test_a_group_that_fails_while_its_quorum_forms_leaves_without_waiting_for_the_quorum(tmp_path, cleanup):
+    """torchft forms a step's quorum in a thread of its own, which the interpreter's exit would wait for: here the
+    lighthouse wants 2 groups and only one comes, so that quorum never forms, and the exit must not wait for it."""
+    port = free_port()
+    cleanup.append(lighthouse(port, min_replicas=2))
+    env = child_env(
+        TORCHFT_LIGHTHOUSE=f"http://localhost:{port}", REPLICA_GROUP_ID=0, NUM_REPLICA_GROUPS=2, FAULT="raise_in_quorum"
+    )
+    timeout = 120  # --dist-timeout: how long the quorum would hold the exit
+    cmd = train_cmd(1, script="tests/fault_injection.py") + QUICK + ["--fault-tolerance", "torchft"]
+    code, out = finish(start(cmd + ["--dist-timeout", str(timeout)], env=env, cwd=tmp_path), timeout=timeout / 2)
+    assert code != 0 and "injected failure on rank 0 while the quorum forms" in out, out[-3000:]
