@@ -101,7 +101,7 @@ if FAULT == "kill_after_commit" and RANK == 0:
 if FAULT == "raise_in_quorum" and RANK == FAULT_RANK:
     from {{ cookiecutter.project_slug }}.machinery import replicas
 
-    def start_step_then_fail(self):
+    def start_step_then_fail(self, *args):
         self.manager.start_quorum()
         raise RuntimeError(f"injected failure on rank {RANK} while the quorum forms")
 

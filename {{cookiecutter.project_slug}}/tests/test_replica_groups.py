@@ -2,6 +2,7 @@
 own torchrun job; one group's worker is SIGKILLed, the other goes on, the restarted one takes its state and both
 finish with the same weights."""
 
+import json
 import os
 import shutil
 import signal
@@ -13,7 +14,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUICK, ROOT, child_env, finish, free_port, rank_pids, start, train_cmd, wait_for
+from conftest import (
+    QUICK,
+    ROOT,
+    child_env,
+    final_model,
+    finish,
+    free_port,
+    outputs,
+    rank_pids,
+    start,
+    train_cmd,
+    wait_for,
+)
 
 pytest.importorskip("torchft", reason="--fault-tolerance torchft needs torchft (the project's [ft] extra)")
 
@@ -196,3 +209,21 @@ def test_a_group_that_fails_while_its_quorum_forms_leaves_without_waiting_for_th
     cmd = train_cmd(1, script="tests/fault_injection.py") + QUICK + ["--fault-tolerance", "torchft"]
     code, out = finish(start(cmd + ["--dist-timeout", str(timeout)], env=env, cwd=tmp_path), timeout=timeout / 2)
     assert code != 0 and "injected failure on rank 0 while the quorum forms" in out, out[-3000:]
+
+
+def test_sigterm_while_a_group_waits_for_the_others_stops_it_with_a_snapshot(tmp_path, cleanup):
+    """One group of a job of two comes: it waits for the other before its first step (up to --dist-timeout); a
+    SIGTERM to its torchrun (SLURM's scancel, Ctrl-C) stops it there, as at any step, instead of torchrun's kill."""
+    port = free_port()
+    cleanup.append(lighthouse(port))
+    env = child_env(TORCHFT_LIGHTHOUSE=f"http://localhost:{port}", REPLICA_GROUP_ID=0, NUM_REPLICA_GROUPS=2)
+    cmd = train_cmd(RANKS) + QUICK + ["--fault-tolerance", "torchft", "--dist-timeout", "300"] + outputs(tmp_path)
+    proc = start(cmd, env=env)
+    log = tmp_path / "run.group0.log"
+    wait_for(lambda: log.exists() and "waiting for the other replica groups" in log.read_text(), what="the wait")
+    os.kill(proc.pid, signal.SIGTERM)
+    code, out = finish(proc, timeout=120)
+    assert code != 0, out[-3000:]
+    done = json.loads((tmp_path / "run-export" / "group0" / "summary.json").read_text())
+    assert (done["stop_signal"], done["steps"]) == (signal.SIGTERM, 0), done
+    assert final_model(tmp_path / "run-snapshots" / "group0")["step"] == 0

@@ -224,20 +224,24 @@ class ReplicaGroup:
             ) from None
         self.manager.load_state_dict({"step": step, "batches_committed": step * info.groups})
 
-    def start_step(self) -> None:
-        """The quorum for this step; a group that is behind takes a live group's state here."""
+    def start_step(self, stopping: Callable[[], bool]) -> bool:
+        """The quorum for this step; a group that is behind takes a live group's state here. False: a rank of the
+        group was asked to stop (`stopping`) while the group waited for the others at its first step (every rank of
+        the group returns the same)."""
         self.manager.start_quorum()
         if self._first:
             self._first = False
-            self._wait_for_every_group()
+            return self._wait_for_every_group(stopping)
+        return True
 
-    def _wait_for_every_group(self) -> None:
+    def _wait_for_every_group(self, stopping: Callable[[], bool]) -> bool:
         """A job's groups start together: at its first step, a group that finds no group ahead of it (nobody has
         trained without it) waits until every group is in the quorum, for up to the quorum timeout; then it goes
         on with those there. A group that finds others ahead took their state and joins them at once, and so does
-        a group that torchrun restarted: it joins whoever trains."""
+        a group that torchrun restarted: it joins whoever trains. A stop request (Ctrl-C, SIGTERM) ends the wait:
+        False."""
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-            return
+            return True
         start, groups = self.manager.current_step(), self.info.groups
         deadline = time.monotonic() + self._quorum_timeout.total_seconds()
 
@@ -245,7 +249,7 @@ class ReplicaGroup:
             return self.manager.num_participants() < groups and self.manager.current_step() == start
 
         def waiting() -> bool:  # the group's ranks decide together (their deadlines differ by a little)
-            return distributed.all_true(self.env, alone() and time.monotonic() < deadline)
+            return distributed.all_true(self.env, alone() and time.monotonic() < deadline and not stopping())
 
         if waiting():
             here = self.manager.num_participants()
@@ -255,7 +259,7 @@ class ReplicaGroup:
             while waiting():
                 time.sleep(0.1)
                 self.manager.start_quorum()
-            if alone():
+            if alone() and not stopping():
                 log.warning(
                     "replica group %d starts with %d of %d replica groups: the others did not join within %s",
                     self.info.group,
@@ -263,6 +267,7 @@ class ReplicaGroup:
                     groups,
                     self._quorum_timeout,
                 )
+        return distributed.all_true(self.env, not stopping())
 
     def attach(self, ddp: Any) -> None:
         """Average the gradients over the groups during backward, bucket by bucket as DDP fills them (its

@@ -73,6 +73,19 @@ class StopRequest:
         self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
         return self.stopped
 
+    def agree_now(self) -> bool:
+        """What agreed() learns a step later, at once (a blocking all-reduce): for a stop before any step."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+            self.signal = self.signal or int(self._flag.item())
+        if self.env.is_distributed:
+            self._flag.fill_(self.signal)
+            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
+            self.signal = self.signal or int(self._flag.item())
+        self.stopped = bool(self.signal)
+        return self.stopped
+
     def close(self, restore_handlers: bool = True) -> None:
         if self._pending is not None:
             self._pending.wait()  # every rank started the same number of these: finish the last one everywhere

@@ -271,12 +271,17 @@ class Trainer:
         group = self.group.group if self.group is not None else 0
         log.info("replica group %d rejoined at step %d with a live group's state", group, self.progress.step)
 
-    def start_step(self) -> None:
+    def start_step(self, stop: StopRequest) -> bool:
         """With replica groups: this step's quorum of the live groups, and the state of a live one if this group
-        is behind (a no-op otherwise)."""
-        if self.replicas is not None:
-            self._progress_at_quorum = dataclasses.asdict(self.progress)
-            self.replicas.start_step()
+        is behind (a no-op otherwise). False: the job was asked to stop while its group waited for the others
+        before its first step; every rank of the job knows it then (`stop.stopped`)."""
+        if self.replicas is None:
+            return True
+        self._progress_at_quorum = dataclasses.asdict(self.progress)
+        if self.replicas.start_step(lambda: bool(stop.signal)):
+            return True
+        stop.agree_now()
+        return False
 
     # -- one optimizer step ------------------------------------------------------------------------------------
 
@@ -530,7 +535,8 @@ def train(cfg: Any, env: DistEnv) -> Summary:
     ):
         progress, snapshots = trainer.progress, trainer.snapshots
         while progress.step < trainer.total_steps and not stop.stopped:
-            trainer.start_step()  # --fault-tolerance torchft: the quorum of replica groups (a no-op otherwise)
+            if not trainer.start_step(stop):  # --fault-tolerance torchft: the quorum of replica groups
+                break
             trainer.forward_backward(next(trainer.batches))
             # Between backward and the optimizer step, always: the save in flight must have copied the weights
             # before the optimizer changes them in place (a test fails when it moves).
