@@ -1,4 +1,4 @@
-"""Faults for real: SIGKILLed workers, crashes inside a save, damaged snapshots, SIGTERM.
+"""Faults for real: SIGKILLed workers, crashes inside a save, damaged snapshots, SIGTERM, another world size.
 
 Each recovered run must end with weights bitwise-equal to an uninterrupted run with the same arguments.
 """
@@ -269,3 +269,19 @@ def test_static_rendezvous_restart_recovers(tmp_path, reference_runs):
     assert code == 0, out[-5000:]
     assert len(FAILED_ATTEMPT.findall(out)) == 1
     assert_same_weights(reference["model"], final_model(tmp_path / "run-snapshots")["model"])
+
+
+@pytest.mark.slow
+def test_resume_with_another_world_size_continues_by_samples_seen(tmp_path):
+    """--max-steps counts steps of the size the run started with: on 1 rank the rest takes twice the steps."""
+    cmd2 = train_cmd(2, script="tests/fault_injection.py") + ARGS + outputs(tmp_path)
+    result = run(cmd2, env=injected(tmp_path, FAULT="kill_after_commit", FAULT_STEP=20), check=False)
+    assert result.returncode != 0 and final_model(tmp_path / "run-snapshots")["step"] == 20
+    run(train_cmd(1) + ARGS + outputs(tmp_path))
+    batch = default_config().batch_size
+    done = summary(tmp_path)
+    assert (done["world_size"], done["resumed_from"]) == (1, 20)
+    assert done["samples_seen"] == 120 * 2 * batch
+    assert done["steps"] == done["total_steps"] == 20 + 100 * 2
+    state = final_model(tmp_path / "run-snapshots")
+    assert (state["step"], state["progress"]["samples_seen"]) == (done["steps"], done["samples_seen"])
