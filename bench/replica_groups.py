@@ -154,6 +154,7 @@ def steady_state(project, folder, width, steps, repeats):
                 assert group_job.wait(600) == 0, (folder / f"{name}-group{g}.out").read_text()[-3000:]
         finally:
             house.kill()
+            house.wait()
         ft.append(speed(folder / f"{name}.group0.jsonl"))
     plain_s, ft_s = statistics.median(plain), statistics.median(ft)
     return {
@@ -230,6 +231,7 @@ def failures(project, folder, kills):
         for clock in clocks:
             clock.close()
         house.kill()
+        house.wait()
     return {"group_cold_start_s": cold, "kills": results}
 
 

@@ -16,6 +16,7 @@ Writes bench/REPLICA_OVERHEAD.md and bench/REPLICA_OVERHEAD.json.
 """
 
 import argparse
+import importlib.metadata
 import json
 import os
 import statistics
@@ -45,6 +46,7 @@ def replica_run(project, args, folder, name, extra):
                 assert job.wait(600) == 0, (folder / f"{name}-group{g}.out").read_text()[-3000:]
         finally:
             house.kill()
+            house.wait()
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -74,6 +76,7 @@ def main():
             runs[setting].append(replica_run(project, args, folder, f"ft{index}-{repeat}", extra))
         print(repeat, {k: round(v[-1]) for k, v in runs.items()}, flush=True)
     result = {"machine": machine(), "noise": meter.stop(), "options": vars(options), "runs": runs}
+    result["torchft"] = importlib.metadata.version("torchft")
     (BENCH / "REPLICA_OVERHEAD.json").write_text(json.dumps(result, indent=2) + "\n")
     write_report(result)
 
@@ -86,7 +89,8 @@ def write_report(result):
         "# What replica groups add per step, and torchft's runtime settings",
         "",
         f"{info['nproc']} cores ({info['cpu']}), torch {info['torch']}, Python {info['python']}, {info['date']}; "
-        f"other processes used {result['noise']['foreign_cores']:.2f} cores on average. torchft 0.2.0. Command: "
+        f"other processes used {result['noise']['foreign_cores']:.2f} cores on average. torchft {result['torchft']}. "
+        "Command: "
         f"`.venv/bin/python bench/replica_overhead.py --width {options['width']} --steps {options['steps']} "
         f"--repeats {options['repeats']}`.",
         "",

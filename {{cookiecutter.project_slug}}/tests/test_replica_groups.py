@@ -192,7 +192,7 @@ def test_replica_groups_without_their_environment_are_refused_in_one_line(tmp_pa
     nothing = f"http://localhost:{free_port()}"
     env = child_env(TORCHFT_LIGHTHOUSE=nothing, REPLICA_GROUP_ID=0, NUM_REPLICA_GROUPS=2)
     cmd = train_cmd(1) + QUICK + ["--fault-tolerance", "torchft", "--dist-timeout", "2"]
-    code, out = finish(start(cmd, env=env, cwd=tmp_path))
+    code, out = finish(start(cmd, env=env, cwd=tmp_path), timeout=40)  # torchft's own wait would be 60 s
     assert code != 0 and f"TORCHFT_LIGHTHOUSE={nothing}" in out, out[-3000:]
     assert not list((tmp_path / "snapshots").glob("*/snap*")), "nothing trained, nothing saved"
 

@@ -215,12 +215,14 @@ class ReplicaGroup:
                 init_sync=False,  # every group builds the same initial weights from --seed
             )
         except RuntimeError as exc:
-            if "failed to connect" not in str(exc):
+            # Rank 0 of the group connects to the lighthouse (the others to their rank 0, which names another address)
+            if "failed to connect" not in str(exc) or info.lighthouse not in str(exc):
                 raise
             raise RunError(
                 f"replica group {info.group} could not reach the torchft lighthouse at {LIGHTHOUSE}={info.lighthouse} "
                 f"within {connect.total_seconds():g} s ({_first_line(exc).rsplit(': ', 1)[-1][:200]}): start it first "
-                "(torchft_lighthouse --min_replicas 1 --bind [::]:PORT, one per job), or correct the address"
+                "(one per job: torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 --heartbeat_timeout_ms 500 "
+                "--bind [::]:PORT), or correct the address"
             ) from None
         self.manager.load_state_dict({"step": step, "batches_committed": step * info.groups})
 
@@ -238,8 +240,8 @@ class ReplicaGroup:
         """A job's groups start together: at its first step, a group that finds no group ahead of it (nobody has
         trained without it) waits until every group is in the quorum, for up to the quorum timeout; then it goes
         on with those there. A group that finds others ahead took their state and joins them at once, and so does
-        a group that torchrun restarted: it joins whoever trains. A stop request (Ctrl-C, SIGTERM) ends the wait:
-        False."""
+        a group that torchrun restarted: it joins whoever trains. A stop request (Ctrl-C, SIGTERM) ends the wait
+        once the quorum being formed is there (within the lighthouse's --join_timeout_ms): False."""
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             return True
         start, groups = self.manager.current_step(), self.info.groups
@@ -259,7 +261,8 @@ class ReplicaGroup:
             while waiting():
                 time.sleep(0.1)
                 self.manager.start_quorum()
-            if alone() and not stopping():
+            go_on = distributed.all_true(self.env, not stopping())
+            if go_on and alone():
                 log.warning(
                     "replica group %d starts with %d of %d replica groups: the others did not join within %s",
                     self.info.group,
@@ -267,6 +270,7 @@ class ReplicaGroup:
                     groups,
                     self._quorum_timeout,
                 )
+            return go_on
         return distributed.all_true(self.env, not stopping())
 
     def attach(self, ddp: Any) -> None:
