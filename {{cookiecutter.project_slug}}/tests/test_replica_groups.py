@@ -137,10 +137,16 @@ def test_live_group_trains_on_while_a_killed_group_restarts_and_heals(tmp_path, 
 
     # Both groups in one quorum, training (the later one took the earlier one's state, or they started together),
     # for 30 steps: the groups are connected to each other. Then group 1's worker dies, and torchrun restarts it.
-    wait_for(lambda: len(clocks[1].steps()) >= 30, timeout=120, what="30 steps of group 1")
+    # The kill lands between two snapshots (--snapshot-every 10): the restart resumes from one behind what group 1
+    # trained and logged.
+    def between_snapshots():
+        return len(clocks[1].steps()) >= 30 and 3 <= clocks[1].last_step() % 10 <= 7
+
+    wait_for(between_snapshots, timeout=120, interval=0.005, what="30 steps of group 1, between two snapshots")
     victim = workers(jobs[1])[1]
     os.kill(victim, signal.SIGKILL)
     killed_at, killed_step = time.monotonic(), max(clock.last_step() for clock in clocks)
+    trained = clocks[1].steps()  # what group 1 trained and logged before it died
     # Its restart resumes from its own newest snapshot (at most killed_step), then takes the live group's state:
     # its metrics go on at a step it never trained itself.
     rejoined = wait_for(
@@ -150,6 +156,10 @@ def test_live_group_trains_on_while_a_killed_group_restarts_and_heals(tmp_path, 
     )
     rejoined_step = min(rejoined)
     wait_for(lambda: clocks[1].last_step() >= rejoined_step + 20, timeout=120, what="20 steps after the rejoin")
+    # Its metrics keep what it trained before it died, also past the snapshot it restarted from (a gap in the loss
+    # curve otherwise), and every step once, in order.
+    logged = [record["step"] for record in clocks[1].records()]
+    assert trained <= set(logged) and logged == sorted(set(logged)), (sorted(trained), logged)
 
     # The live group trained on while group 1 was down, without a stall near the length of group 1's restart
     # (an interpreter start, imports, rendezvous and the state transfer).

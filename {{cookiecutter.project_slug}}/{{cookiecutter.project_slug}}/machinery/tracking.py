@@ -12,7 +12,9 @@ The metrics file (`--metrics-file`, JSON Lines) holds one object per logged step
   beside it, with a warning; summary.json names the file a run wrote.
 - A resumed run first drops the records of steps after the snapshot it resumed from, so steps that are trained
   again replace what the failed attempt wrote instead of repeating it: read the file top to bottom and every step
-  appears once. Each line is flushed as it is written; a crash loses at most the line being written, and a
+  appears once. A replica group (--fault-tolerance torchft) may take a live group's state and go on at a later
+  step than its snapshot's, keeping what it trained before it failed: it drops the records from the first step it
+  logs on instead. Each line is flushed as it is written; a crash loses at most the line being written, and a
   partial last line is dropped at the next start. Lines that are no records (not UTF-8, not JSON) are left out,
   with one warning.
 """
@@ -114,12 +116,13 @@ class WandbTracker(Tracker):
 
 class MetricsFile(Tracker):
     """JSON Lines on rank 0: one record per logged step, with this run's id, steps after `resumed_from` dropped first
-    (-1: a new run). The file holds one run's records (see the module docstring).
+    (-1: a new run; None: the steps from the first one logged, when it is logged). The file holds one run's records
+    (see the module docstring).
 
     Metrics logged for the step of the last line (validation after training metrics) are merged into it.
     """
 
-    def __init__(self, path: str, run_id: str, resumed_from: int):
+    def __init__(self, path: str, run_id: str, resumed_from: int | None):
         self.run_id = run_id
         self.metrics_file = os.path.abspath(path)
         os.makedirs(os.path.dirname(self.metrics_file), exist_ok=True)
@@ -133,9 +136,17 @@ class MetricsFile(Tracker):
                 self.metrics_file,
                 skipped,
             )
-        kept = b"".join(line for record, line in records if record["step"] <= resumed_from)
-        if kept != content:
-            fd = runfiles.replace_held(fd, self.metrics_file, kept)
+        self._deferred = resumed_from is None
+        if resumed_from is not None:
+            fd = self._keep(fd, content, records, resumed_from)
+        self._open(fd)
+
+    def _keep(self, fd: int, content: bytes, records: list, last: int) -> int:
+        """Keep the records of steps up to `last` only."""
+        kept = b"".join(line for record, line in records if record["step"] <= last)
+        return runfiles.replace_held(fd, self.metrics_file, kept) if kept != content else fd
+
+    def _open(self, fd: int) -> None:
         self._file = os.fdopen(fd, "ab")
         self._file.seek(0, os.SEEK_END)
         self._last: dict = {}
@@ -171,6 +182,13 @@ class MetricsFile(Tracker):
         return fd
 
     def log(self, metrics: dict, step: int) -> None:
+        if self._deferred:  # the first step logged: the records of this step and later ones are a failed attempt's
+            self._deferred = False
+            self._file.flush()
+            fd = os.dup(self._file.fileno())
+            self._file.close()  # the duplicate keeps the lock
+            content = runfiles.read_held(fd)
+            self._open(self._keep(fd, content, _records(content)[0], step - 1))
         record = {k: _plain(v) for k, v in metrics.items()}
         if self._last.get("step") == step:
             record = {**self._last, **record}
@@ -260,7 +278,7 @@ def make_tracker(
     run_id: str,
     config: dict,
     metrics_file: str = "",
-    resumed_from: int = -1,
+    resumed_from: int | None = -1,
 ) -> Tracker:
     if not env.is_main:
         return Tracker()

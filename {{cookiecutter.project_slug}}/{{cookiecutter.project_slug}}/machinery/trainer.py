@@ -200,9 +200,12 @@ class Trainer:
         cfg, env = self.cfg, self.env
         self.exports = runfiles.ExportFolder(env, cfg.export_dir, self.run_id)
         problem = None
+        # A replica group may take a live group's state and go on past its snapshot, keeping what it trained since:
+        # its metrics file drops a failed attempt's records only from the first step it logs
+        resumed_from = None if self.group is not None else self.resumed_from
         try:
             self.tracker = tracking.make_tracker(
-                env, cfg.wandb, cfg.wandb_project, self.run_id, cfg.to_dict(), cfg.metrics_file, self.resumed_from
+                env, cfg.wandb, cfg.wandb_project, self.run_id, cfg.to_dict(), cfg.metrics_file, resumed_from
             )
         except (OSError, RunError) as exc:
             problem = str(exc) if isinstance(exc, RunError) else f"{flag('metrics_file')} {cfg.metrics_file}: {exc}"
