@@ -237,3 +237,19 @@ def test_sigterm_while_a_group_waits_for_the_others_stops_it_with_a_snapshot(tmp
     done = json.loads((tmp_path / "run-export" / "group0" / "summary.json").read_text())
     assert (done["stop_signal"], done["steps"]) == (signal.SIGTERM, 0), done
     assert final_model(tmp_path / "run-snapshots" / "group0")["step"] == 0
+
+
+def test_a_lighthouse_that_dies_mid_run_ends_the_group_in_one_line(tmp_path, cleanup):
+    port = free_port()
+    house = lighthouse(port)
+    cleanup.append(house)
+    address = f"http://localhost:{port}"
+    env = child_env(TORCHFT_LIGHTHOUSE=address, REPLICA_GROUP_ID=0, NUM_REPLICA_GROUPS=1)
+    cmd = train_cmd(1) + QUICK + ["--fault-tolerance", "torchft", "--dist-timeout", "5", "--max-steps", "1000000"]
+    proc = start(cmd + ["--log-every", "1", "--eval-every", "0"] + outputs(tmp_path), env=env)
+    metrics = tmp_path / "run-metrics.group0.jsonl"
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5, what="5 steps")
+    house.kill()
+    code, out = finish(proc, timeout=60)
+    assert code != 0 and f"TORCHFT_LIGHTHOUSE={address}" in out, out[-3000:]
+    assert "TimeoutError" not in out, "torchft's quorum timeout, said in the line instead"

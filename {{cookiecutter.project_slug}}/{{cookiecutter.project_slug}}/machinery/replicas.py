@@ -248,6 +248,7 @@ class ReplicaGroup:
         deadline = time.monotonic() + self._quorum_timeout.total_seconds()
 
         def alone() -> bool:  # fewer groups than the job's, and none has trained yet
+            self._wait_quorum()
             return self.manager.num_participants() < groups and self.manager.current_step() == start
 
         def waiting() -> bool:  # the group's ranks decide together (their deadlines differ by a little)
@@ -324,13 +325,27 @@ class ReplicaGroup:
                 if not wait and not pending.group_work.is_completed():
                     return
                 pending.group_work.wait()
+            self._wait_quorum()
             pending.work = self.manager.allreduce(pending.buffer)  # an error is recorded, not raised
+
+    def _wait_quorum(self) -> None:
+        """This step's quorum (formed meanwhile in torchft's thread); none within --dist-timeout is one line."""
+        try:
+            self.manager.wait_quorum()
+        except TimeoutError:
+            raise RunError(
+                f"replica group {self.info.group}: no quorum of the replica groups within {flag('dist_timeout')} "
+                f"({self._quorum_timeout.total_seconds():g} s): the torchft lighthouse at {LIGHTHOUSE}="
+                f"{self.info.lighthouse} stopped answering, or it waits for more groups than are running (its "
+                "--min_replicas); start it again if it is gone, then launch the groups again to resume"
+            ) from None
 
     def average_and_commit(self, parameters: list, buffers: list) -> bool:
         """Finish the gradients' average over the live groups (started during backward), average the
         floating-point buffers too (BatchNorm's running statistics, which each group updates on its own data), so
         that every group holds the same model; True when every group of the quorum may step its optimizer.
         False: the step is dropped (a group failed during it)."""
+        self._wait_quorum()
         try:
             if self._pending:
                 self._start_between_groups(wait=True)
