@@ -130,6 +130,20 @@ def speed(path, skip=50):
     return statistics.median(values)
 
 
+def replica_run(project, args, folder, name):
+    """2 replica groups of 1 rank, with a lighthouse of their own, trained to their end: group 0's samples/s."""
+    port = free_port()
+    house = lighthouse(folder, port)
+    jobs = groups(project, args + ["--fault-tolerance", "torchft"] + files(folder, name), folder, name, port)
+    try:
+        for g, job in enumerate(jobs):
+            assert job.wait(600) == 0, (folder / f"{name}-group{g}.out").read_text()[-3000:]
+    finally:
+        house.kill()
+        house.wait()
+    return speed(folder / f"{name}.group0.jsonl")
+
+
 def steady_state(project, folder, width, steps, repeats):
     """samples/s of the torchrun path and of 2 replica groups, runs alternating (`repeats` of each: this machine's
     speed drifts by several percent from run to run); the torchrun path's cold start."""
@@ -145,17 +159,7 @@ def steady_state(project, folder, width, steps, repeats):
         clock.close()
         colds.append(min(clock.seen.values()) - launched)
         plain.append(speed(folder / f"{name}.jsonl"))
-        port = free_port()
-        house = lighthouse(folder, port)
-        name = f"ft{repeat}"
-        jobs = groups(project, args + ["--fault-tolerance", "torchft"] + files(folder, name), folder, name, port)
-        try:
-            for g, group_job in enumerate(jobs):
-                assert group_job.wait(600) == 0, (folder / f"{name}-group{g}.out").read_text()[-3000:]
-        finally:
-            house.kill()
-            house.wait()
-        ft.append(speed(folder / f"{name}.group0.jsonl"))
+        ft.append(replica_run(project, args, folder, f"ft{repeat}"))
     plain_s, ft_s = statistics.median(plain), statistics.median(ft)
     return {
         "width": width,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import BENCH, CpuMeter, bake, child_env, machine, scratch_dir  # noqa: E402
-from replica_groups import BASE, GLOBAL_BATCH, files, free_port, groups, lighthouse, speed, torchrun  # noqa: E402
+from replica_groups import BASE, GLOBAL_BATCH, files, replica_run, speed, torchrun  # noqa: E402
 
 SETTINGS = {
     "as shipped": {},
@@ -34,23 +34,15 @@ SETTINGS = {
 }
 
 
-def replica_run(project, args, folder, name, extra):
+def replica_run_with(project, args, folder, name, extra):
+    """replica_run with `extra` in the environment of the lighthouse and both groups."""
     saved = dict(os.environ)
-    os.environ.update(extra)  # the lighthouse and both groups inherit it
+    os.environ.update(extra)
     try:
-        port = free_port()
-        house = lighthouse(folder, port)
-        jobs = groups(project, args + ["--fault-tolerance", "torchft"] + files(folder, name), folder, name, port)
-        try:
-            for g, job in enumerate(jobs):
-                assert job.wait(600) == 0, (folder / f"{name}-group{g}.out").read_text()[-3000:]
-        finally:
-            house.kill()
-            house.wait()
+        return replica_run(project, args, folder, name)
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    return speed(folder / f"{name}.group0.jsonl")
 
 
 def main():
@@ -73,7 +65,7 @@ def main():
         assert job.wait(600) == 0, (folder / f"{name}.out").read_text()[-3000:]
         runs["torchrun path"].append(speed(folder / f"{name}.jsonl"))
         for index, (setting, extra) in enumerate(SETTINGS.items()):
-            runs[setting].append(replica_run(project, args, folder, f"ft{index}-{repeat}", extra))
+            runs[setting].append(replica_run_with(project, args, folder, f"ft{index}-{repeat}", extra))
         print(repeat, {k: round(v[-1]) for k, v in runs.items()}, flush=True)
     result = {"machine": machine(), "noise": meter.stop(), "options": vars(options), "runs": runs}
     result["torchft"] = importlib.metadata.version("torchft")
