@@ -254,7 +254,8 @@ class ReplicaGroup:
         def waiting() -> bool:  # the group's ranks decide together (their deadlines differ by a little)
             return distributed.all_true(self.env, alone() and time.monotonic() < deadline and not stopping())
 
-        if waiting():
+        waited = waiting()
+        if waited:
             here = self.manager.num_participants()
             log.info(
                 "replica group %d waiting for the other replica groups (%d of %d here)", self.info.group, here, groups
@@ -262,17 +263,16 @@ class ReplicaGroup:
             while waiting():
                 time.sleep(0.1)
                 self.manager.start_quorum()
-            go_on = distributed.all_true(self.env, not stopping())
-            if go_on and alone():
-                log.warning(
-                    "replica group %d starts with %d of %d replica groups: the others did not join within %s",
-                    self.info.group,
-                    self.manager.num_participants(),
-                    groups,
-                    self._quorum_timeout,
-                )
-            return go_on
-        return distributed.all_true(self.env, not stopping())
+        go_on = distributed.all_true(self.env, not stopping())
+        if waited and go_on and alone():
+            log.warning(
+                "replica group %d starts with %d of %d replica groups: the others did not join within %s",
+                self.info.group,
+                self.manager.num_participants(),
+                groups,
+                self._quorum_timeout,
+            )
+        return go_on
 
     def attach(self, ddp: Any) -> None:
         """Average the gradients over the groups during backward, bucket by bucket as DDP fills them (its
