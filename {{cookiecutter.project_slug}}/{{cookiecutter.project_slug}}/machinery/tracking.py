@@ -24,7 +24,7 @@ import logging
 import math
 import os
 import secrets
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 from . import distributed, runfiles
 from .distributed import DistEnv
@@ -136,20 +136,22 @@ class MetricsFile(Tracker):
                 self.metrics_file,
                 skipped,
             )
-        self._deferred = resumed_from is None
+        self._file: Any = None  # opened once the records to keep are known
+        self._held: Any = (fd, content, records)
+        self._last: dict = {}
+        self._last_offset = 0
         if resumed_from is not None:
-            fd = self._keep(fd, content, records, resumed_from)
-        self._open(fd)
+            self._keep(resumed_from)
 
-    def _keep(self, fd: int, content: bytes, records: list, last: int) -> int:
-        """Keep the records of steps up to `last` only."""
+    def _keep(self, last: int) -> None:
+        """Keep the records of steps up to `last` only, and open the file to append."""
+        fd, content, records = self._held
+        self._held = None
         kept = b"".join(line for record, line in records if record["step"] <= last)
-        return runfiles.replace_held(fd, self.metrics_file, kept) if kept != content else fd
-
-    def _open(self, fd: int) -> None:
+        if kept != content:
+            fd = runfiles.replace_held(fd, self.metrics_file, kept)
         self._file = os.fdopen(fd, "ab")
         self._file.seek(0, os.SEEK_END)
-        self._last: dict = {}
         self._last_offset = self._file.tell()
 
     def _claim(self) -> int:
@@ -182,13 +184,8 @@ class MetricsFile(Tracker):
         return fd
 
     def log(self, metrics: dict, step: int) -> None:
-        if self._deferred:  # the first step logged: the records of this step and later ones are a failed attempt's
-            self._deferred = False
-            self._file.flush()
-            fd = os.dup(self._file.fileno())
-            self._file.close()  # the duplicate keeps the lock
-            content = runfiles.read_held(fd)
-            self._open(self._keep(fd, content, _records(content)[0], step - 1))
+        if self._file is None:  # the first step logged: the records of this step and later ones are a failed attempt's
+            self._keep(step - 1)
         record = {k: _plain(v) for k, v in metrics.items()}
         if self._last.get("step") == step:
             record = {**self._last, **record}
@@ -200,7 +197,10 @@ class MetricsFile(Tracker):
         self._file.flush()
 
     def finish(self) -> None:
-        self._file.close()
+        if self._file is None:  # nothing logged: the file stays as it was
+            os.close(self._held[0])
+        else:
+            self._file.close()
 
 
 class Trackers(Tracker):
