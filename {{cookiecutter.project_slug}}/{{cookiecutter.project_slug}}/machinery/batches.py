@@ -1,28 +1,60 @@
 """Where the run is and how long it is: the progress, the run length in samples, and the training data one
 optimizer step at a time, from any point (map-style datasets by index; streams in stream.py).
 
-A batch can be any structure the loader makes (tensors, pairs, dicts, nested lists, tuples and dicts): `to_device`
-moves every tensor inside it and leaves other values alone.
+A batch can be any structure the loader makes (tensors, pairs, dicts, nested lists, tuples and dicts, named
+tuples, dataclasses, mappings such as Hugging Face's BatchEncoding): `to_device` moves every tensor inside it and
+leaves other values alone.
 """
 
+import copy
+import dataclasses
 import math
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sized
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .distributed import DistEnv
 from .settings import RunError, flag
 
 
+def map_tensors(function: Callable[[torch.Tensor], Any], batch: Any) -> Any:
+    """`batch` with `function` applied to every tensor inside it, its containers rebuilt as they were: lists,
+    tuples, named tuples, mappings (dicts and their subclasses, e.g. BatchEncoding) and dataclass instances; other
+    values are left as they are. (torch's tree_map does not enter dataclasses or most dict subclasses.)"""
+    if isinstance(batch, torch.Tensor):
+        return function(batch)
+    if isinstance(batch, Mapping):
+        if isinstance(batch, MutableMapping):
+            moved = copy.copy(batch)  # keeps the type and its attributes; the values are replaced below
+            for key in batch:
+                moved[key] = map_tensors(function, batch[key])
+            return moved
+        return {key: map_tensors(function, value) for key, value in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
+        return type(batch)(*(map_tensors(function, value) for value in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(map_tensors(function, value) for value in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        moved = copy.copy(cast(Any, batch))
+        for spec in dataclasses.fields(batch):
+            object.__setattr__(moved, spec.name, map_tensors(function, getattr(batch, spec.name)))  # frozen too
+        return moved
+    return batch
+
+
+def tensors_in(batch: Any) -> list[torch.Tensor]:
+    """Every tensor inside `batch`, in the order map_tensors visits them."""
+    found: list[torch.Tensor] = []
+    map_tensors(found.append, batch)
+    return found
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
     """The batch with every tensor in it on `device` (non-blocking from pinned memory); other values as they are."""
-    return tree_map(
-        lambda value: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value, batch
-    )
+    return map_tensors(lambda value: value.to(device, non_blocking=True), batch)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .batches import tensors_in
 from .settings import RunError
 
 log = logging.getLogger(__name__)
@@ -177,7 +178,7 @@ def _sums(value: Any) -> dict[str, torch.Tensor]:
 
 def _batch_size(batch: Any) -> int:
     """The number of samples in a batch: the first dimension of its first tensor."""
-    leaves = [leaf for leaf in torch.utils._pytree.tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
+    leaves = tensors_in(batch)
     if not leaves or leaves[0].dim() == 0:
         raise RunError("a batch holds no tensor with a batch dimension: return a dict with 'count' from compute_loss")
     return int(leaves[0].shape[0])
@@ -185,7 +186,6 @@ def _batch_size(batch: Any) -> int:
 
 def _device_of(*values: Any) -> torch.device:
     for value in values:
-        for leaf in torch.utils._pytree.tree_leaves(value):
-            if isinstance(leaf, torch.Tensor):
-                return leaf.device
+        for leaf in tensors_in(value):
+            return leaf.device
     return torch.device("cpu")
