@@ -23,13 +23,30 @@ AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def default_shard_units(model: nn.Module) -> list[nn.Module]:
     """Each direct child that has parameters; a container without forward (ModuleList, ModuleDict) is no unit
-    itself (fully_shard refuses it): its children are, recursively. Typically: each transformer block."""
+    itself (fully_shard refuses it): its children are, recursively. Typically: each transformer block.
+
+    Modules that share a parameter (tied input and output embeddings, as in most causal LMs) must be one unit or
+    none: a child that shares a parameter with a module outside it is not a unit, its children are, and a module
+    that holds a shared parameter itself is left to the root (sharded with the model as a whole)."""
+    names: dict[nn.Parameter, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(parameter, []).append(name)
+    return _units(model, "", {p: n for p, n in names.items() if len(n) > 1})
+
+
+def _units(module: nn.Module, prefix: str, shared: dict[nn.Parameter, list[str]]) -> list[nn.Module]:
     units: list[nn.Module] = []
-    for child in model.children():
+    for name, child in module.named_children():
         if not any(True for _ in child.parameters()):
             continue
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            units += default_shard_units(child)
+        path = f"{prefix}{name}."
+        shared_outside = any(
+            any(not other.startswith(path) for other in others)
+            for parameter, others in shared.items()
+            if any(other.startswith(path) for other in others)
+        )
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)) or shared_outside:
+            units += _units(child, path, shared)
         else:
             units.append(child)
     return units
@@ -115,10 +132,23 @@ class Parallel:
         )
         shard_units = self.user.shard_units or default_shard_units
         for unit in shard_units(self.model):
-            if isinstance(unit, (nn.ModuleList, nn.ModuleDict)):
+            modules = list(unit) if isinstance(unit, (list, tuple)) else [unit]
+            for module in modules:
+                if not isinstance(module, nn.Module) or isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+                    what = type(module).__name__
+                    raise RunError(
+                        f"shard_units in model.py returned a {what} as a unit: return submodules with a forward, or "
+                        "lists of them (each list sharded as one unit); for a ModuleList or ModuleDict, name its "
+                        "children"
+                    )
+            try:
+                fully_shard(modules if len(modules) > 1 else modules[0], mp_policy=policy)
+            except ValueError as exc:
+                if "shared" not in str(exc):
+                    raise
                 raise RunError(
-                    f"shard_units in model.py names a {type(unit).__name__}, which has no forward and cannot be "
-                    "sharded as one unit: name its children instead"
-                )
-            fully_shard(unit, mp_policy=policy)
+                    f"shard_units in model.py puts modules that share a parameter into different units ({exc}): "
+                    "return them together as one list, e.g. [model.embed, model.lm_head], or leave one out (the "
+                    "root shards it)"
+                ) from None
         fully_shard(self.model, mp_policy=policy)
