@@ -267,9 +267,27 @@ def all_min_max(env: DistEnv, value: int) -> tuple[int, int]:
     return int(both[0]), -int(both[1])
 
 
+def all_gather_int(env: DistEnv, value: int) -> list[int]:
+    """Every rank's integer, in rank order."""
+    if not env.is_distributed:
+        return [value]
+    gathered = [torch.zeros((), dtype=torch.int64) for _ in range(env.world_size)]
+    dist.all_gather(gathered, torch.tensor(value, dtype=torch.int64))
+    return [int(each) for each in gathered]
+
+
 def all_true(env: DistEnv, flag: object) -> bool:
     low, _ = all_min_max(env, int(bool(flag)))
     return bool(low)
+
+
+def all_gather_object(env: DistEnv, obj: T) -> list[T]:
+    """Every rank's `obj` (picklable), in rank order; through gloo also under nccl (the objects are CPU bytes)."""
+    if not env.is_distributed:
+        return [obj]
+    gathered: list = [None] * env.world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered
 
 
 def broadcast_object(env: DistEnv, obj: T) -> T:

@@ -18,12 +18,14 @@ numbers, strings and containers of them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from . import distributed
 from .batches import Progress
@@ -115,6 +117,18 @@ class TrainState:
             for name, part in self.shared.items()
         }
         return shared, {name: part.state_dict() for name, part in self.rank.items()}, sharded_state
+
+    def finite(self) -> bool:
+        """Whether this rank's weights and optimizer state (its shards, under fsdp) hold no NaN or infinity."""
+        tensors = [p.detach() for p in self._model().parameters()]
+        for per_parameter in self._optimizer().state.values():
+            tensors += [v for v in per_parameter.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+        tensors = [t for t in tensors if t.numel() and t.is_floating_point()]
+        if not tensors:
+            return True
+        largest = torch.stack([norm.float() for norm in torch._foreach_norm(tensors, math.inf)])
+        return bool(torch.isfinite(largest).all())
 
     def restore(self, resumed: dict[str, Any], folder: str) -> dict[str, Any] | None:
         """Load a snapshot into every part but the random streams; return this rank's random streams (to restore

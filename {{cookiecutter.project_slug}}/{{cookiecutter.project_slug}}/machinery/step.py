@@ -27,6 +27,8 @@ from .parallel import Parallel
 from .replicas import ReplicaGroup
 from .settings import RunError
 
+NONE = 2**62  # "no step": the first non-finite step when there is none
+
 
 class Stepper:
     """Trains one optimizer step at a time and keeps the loss since the last log."""
@@ -50,6 +52,11 @@ class Stepper:
         self.lr = optimizer.param_groups[0]["lr"]  # the learning rate of the last step (the first group's)
         self.replicas: ReplicaGroup | None = None  # --fault-tolerance torchft: the gradients' average over the groups
         self._step_loss = torch.zeros((), device=env.device)
+        # The first step whose loss (this rank's own) or gradient (the step's, over every rank) was not finite:
+        # marked on the device at every step, without waiting for it, and read where the loop syncs anyway (log,
+        # snapshot), which stop the run before a snapshot can hold what such a step made of the weights.
+        self.first_bad_loss = torch.full((), NONE, dtype=torch.int64, device=env.device)
+        self.first_bad_grad = torch.full((), NONE, dtype=torch.int64, device=env.device)
 
     def forward_backward(self, micro_batches: list) -> None:
         """Forward and backward over the micro-batches of one optimizer step; gradients sync on the last one."""
@@ -79,7 +86,10 @@ class Stepper:
             else:
                 step_loss += loss.detach()
         if token_weighted:
+            self._mark(self.first_bad_loss, sums[0])  # this rank's own sum, before it is averaged with the others'
             step_loss = self._token_weighted(sums).to(step_loss.dtype)
+        else:
+            self._mark(self.first_bad_loss, step_loss)
         self._step_loss = step_loss
         self.loss_sum += step_loss
 
@@ -111,6 +121,10 @@ class Stepper:
             self.scaler.unscale_(self.optimizer)
             norm = nn.utils.clip_grad_norm_(self.parallel.model.parameters(), self.cfg.clip_grad)
             self.grad_norm = norm.full_tensor() if isinstance(norm, DTensor) else norm  # fsdp: over every shard
+            if not self.scaler.is_enabled():  # fp16's scaler skips the steps of non-finite gradients itself
+                self._mark(self.first_bad_grad, self.grad_norm)
+        elif not self.scaler.is_enabled():
+            self._mark(self.first_bad_grad, _largest_gradient(self.parallel.model))
         self.lr = self.optimizer.param_groups[0]["lr"]
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -119,6 +133,21 @@ class Stepper:
         self.progress.step += 1
         self.loss_steps += 1
         return True
+
+    def _mark(self, first: torch.Tensor, value: torch.Tensor) -> None:
+        """Mark the step being trained in `first` if `value` is not finite and none was marked before."""
+        bad = ~torch.isfinite(value.detach()) & (first == NONE)
+        first.copy_(torch.where(bad, self.progress.step + 1, first))
+
+    def first_nonfinite(self) -> tuple[int, list[int]] | None:
+        """(the first step whose loss or gradient was not finite on any rank, the ranks whose own loss was not
+        finite then: none when only the averaged gradient was), or None. Every rank calls it at the same step."""
+        local = min(int(self.first_bad_loss), int(self.first_bad_grad))
+        first, _ = distributed.all_min_max(self.env, local)
+        if first == NONE:
+            return None
+        losses = distributed.all_gather_int(self.env, int(self.first_bad_loss))
+        return first, [rank for rank, step in enumerate(losses) if step == first]
 
     def mean_loss(self) -> float:
         """The mean training loss since the last log, over every rank; a NaN or infinite one is an error."""
@@ -130,3 +159,13 @@ class Stepper:
     def reset_loss(self) -> None:
         self.loss_sum.zero_()
         self.loss_steps = 0
+
+
+def _largest_gradient(model: nn.Module) -> torch.Tensor:
+    """The largest absolute gradient of this rank's parameters (their shards, under fsdp): NaN if any is NaN."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    grads = [g for g in grads if g.numel()]  # an fsdp shard may be empty
+    if not grads:
+        return torch.zeros((), device=next(model.parameters()).device)
+    return torch.stack([norm.float() for norm in torch._foreach_norm(grads, math.inf)]).amax()
