@@ -3,9 +3,9 @@ once every rank's receipt is in, then old ones pruned."""
 
 import datetime
 import errno
-import functools
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from .. import distributed
-from .folder import SnapshotFolder, _eventually
+from .folder import SnapshotFolder
 from .format import (
     FORMAT,
     MANIFEST,
@@ -92,6 +92,7 @@ class Snapshots(SnapshotFolder):
         self._pinned: dict[tuple, torch.Tensor] = {}  # pinned CPU buffers for CUDA tensors, kept likewise
         self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}  # a side stream per CUDA device
         self._device_copies: _DeviceCopies | None = None  # the save in flight's CUDA copies, until ordered
+        self._give_up_at = math.inf  # when rank 0 stops waiting for the other ranks' parts (see settle)
 
     def save(
         self,
@@ -147,6 +148,22 @@ class Snapshots(SnapshotFolder):
         self._device_copies = None  # the writer waited for them (or failed before they mattered)
         self._raise_error()
 
+    def settle(self, grace: float) -> None:
+        """After a failure: give the save in flight up to `grace` seconds to be written and, on rank 0, committed,
+        so that a rank's own error (or a peer's) a few steps after a snapshot step does not lose that snapshot. A
+        part that never comes (its rank was killed mid-save) only costs the wait; a save that fails then is
+        logged, not raised: the failure that ended the run is the one to report."""
+        self._give_up_at = time.monotonic() + grace
+        if self._thread is not None:
+            self._thread.join(grace + 1.0)
+            if self._thread.is_alive():  # stuck in a collective with a rank that is gone: the commit never comes
+                log.debug("the snapshot in flight was not written within %.0f s of the failure", grace)
+            self._thread = None
+        self._device_copies = None
+        error, self._error = self._error, None
+        if error is not None:
+            log.debug("the snapshot in flight was not committed: %s", error)
+
     def _raise_error(self):
         if self._error is not None:
             error, self._error = self._error, None
@@ -196,7 +213,7 @@ class Snapshots(SnapshotFolder):
         deadline = time.monotonic() + self.commit_timeout
         for rank in range(self.env.world_size):
             path = os.path.join(folder, receipt_file(rank))
-            if not _eventually(functools.partial(os.path.exists, path), deadline - time.monotonic(), interval=0.01):
+            if not self._arrives(path, deadline):
                 raise SnapshotError(
                     f"rank {rank}'s part of {folder} did not appear within {self.commit_timeout:.0f} s: is "
                     "--snapshot-dir a folder every machine shares?"
@@ -232,6 +249,14 @@ class Snapshots(SnapshotFolder):
         write_json_atomic(os.path.join(folder, MANIFEST), manifest)
         log.debug("snapshot %s committed", folder)
         self._prune()
+
+    def _arrives(self, path, deadline):
+        """Whether `path` exists before the deadline (or before settle() gives up on the save)."""
+        while not os.path.exists(path):
+            if time.monotonic() > min(deadline, self._give_up_at):
+                return False
+            time.sleep(0.01)
+        return True
 
     def _write_shards(self, folder, state):
         """DCP writes this rank's shards (rank 0 also the metadata, once every rank's are written); return their
