@@ -58,7 +58,8 @@ def evaluate(val_data: Any, parallel: Parallel, user: UserCode, cfg: Any, env: D
                 user.step(model, spare)  # its result is not counted
     model.train()
     restore_rng(rng_state)
-    names = distributed.broadcast_object(env, sorted(sums))  # rank 0 always has samples: it names them
+    # Every name any rank returned (a rank may meet a name the others never do), each summed over every rank
+    names = sorted(set().union(*distributed.all_gather_object(env, sorted(sums))))
     local = torch.stack([sums.get(name, torch.zeros((), dtype=torch.float64, device=env.device)) for name in names])
     totals = dict(zip(names, distributed.all_sum(env, local).tolist(), strict=True))
     count = totals.pop(COUNT)

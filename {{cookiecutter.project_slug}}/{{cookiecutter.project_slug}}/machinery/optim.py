@@ -73,6 +73,40 @@ class OptimizerPart:
         reapply_hyperparameters(self.optimizer, current)
 
 
+class SchedulerPart:
+    """Your LRScheduler as a snapshot part: its position from the snapshot, its base learning rates from the current
+    build_optimizer. A resume with another --lr (when build_optimizer uses it) thus reaches your schedule: the
+    restored learning rates are rescaled by new base / old base, which is exact for the schedules that scale with
+    the base rate (LambdaLR, StepLR, CosineAnnealingLR to 0, ...)."""
+
+    def __init__(self, scheduler: LRScheduler):
+        self.scheduler = scheduler
+        self.rescaled: list[tuple[float, float]] = []  # (old base, new base) per group, when a resume changed them
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        current: list[float | torch.Tensor] = [float(base) for base in self.scheduler.base_lrs]
+        self.scheduler.load_state_dict(state)
+        saved = [float(base) for base in self.scheduler.base_lrs]
+        if saved == current or len(saved) != len(current):
+            return
+        self.scheduler.base_lrs = current
+        groups = self.scheduler.optimizer.param_groups
+        for group, old, new in zip(groups, saved, current, strict=True):
+            group["initial_lr"] = new
+            group["lr"] = group["lr"] * new / old if old else new
+        self.scheduler._last_lr = [group["lr"] for group in groups]  # what get_last_lr() reports
+        self.rescaled = [(old, float(new)) for old, new in zip(saved, current, strict=True)]
+
+
+def unoptimized_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names of the parameters that get gradients (requires_grad) but are in no group of the optimizer."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+
+
 def reapply_hyperparameters(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
     """Put each group's hyperparameters from `groups` back, except the learning rate (the scheduler's)."""
     for group, settings in zip(optimizer.param_groups, groups, strict=True):

@@ -36,7 +36,7 @@ from .batches import Batches, Progress, RunLength
 from .distributed import DistEnv
 from .evaluate import evaluate
 from .hooks import UserCode
-from .optim import OptimizerPart, SampleSchedule, default_optimizer
+from .optim import OptimizerPart, SampleSchedule, SchedulerPart, default_optimizer, unoptimized_parameters
 from .parallel import Parallel
 from .report import Summary, export, progress_bar, snapshot_size, val_text, write_config, write_summary
 from .settings import RunError, flag
@@ -48,6 +48,9 @@ from .stream import StreamBatches
 
 log = logging.getLogger(__name__)
 PACKAGE = __name__.rsplit(".", 2)[0]  # the project's package, which holds model.py and data.py
+# How long a failing rank waits for the snapshot in flight to be committed: well within torchrun's 30 s between
+# its SIGTERM to the other workers and its SIGKILL.
+SAVE_GRACE_S = 10.0
 
 
 class ScalerPart:
@@ -162,8 +165,20 @@ class Trainer:
         self.total_steps = self.length.steps(self.progress, self.global_batch)
 
         self.optimizer = (self.user.build_optimizer or default_optimizer)(cfg, self.model)
+        left_out = unoptimized_parameters(self.model, self.optimizer)
+        if left_out:
+            more = f" and {len(left_out) - 5} more" if len(left_out) > 5 else ""
+            self._warn_once(
+                "build_optimizer in model.py leaves out %d parameter(s) that get gradients: %s%s. They are never "
+                "trained: add them to a group, or set requires_grad=False on them",
+                len(left_out),
+                ", ".join(left_out[:5]),
+                more,
+            )
+        self.user_scheduler: SchedulerPart | None = None
         if self.user.build_scheduler is not None:
             self.scheduler = self.user.build_scheduler(cfg, self.optimizer, self.total_steps)
+            self.user_scheduler = SchedulerPart(self.scheduler)
         else:
             self.scheduler = SampleSchedule(self.optimizer, self.length, self.progress)
         self.scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16" and env.device.type == "cuda")
@@ -178,7 +193,7 @@ class Trainer:
         self.state = TrainState(env, self.sharded)
         self.state.add("model", ModelPart(self.model))
         self.state.add("optimizer", OptimizerPart(self.optimizer))
-        self.state.add("scheduler", self.scheduler)
+        self.state.add("scheduler", self.user_scheduler or self.scheduler)
         self.state.add("scaler", ScalerPart(self.scaler))
         self.state.add("progress", ProgressPart(self.progress))
         self.state.add("rng", RngPart(), per_rank=True)
@@ -311,6 +326,7 @@ class Trainer:
     def log_metrics(self) -> None:
         """Mean loss since the last log over every rank, learning rate, speed; stops a run whose loss diverged."""
         progress, elapsed = self.progress, time.perf_counter() - self._timer
+        self._check_finite()
         loss = self._synced_loss()
         progress.last_loss = loss
         if math.isnan(progress.first_loss):
@@ -347,8 +363,15 @@ class Trainer:
 
     def save_snapshot(self, blocking: bool = False) -> None:
         """Start writing a snapshot of this step in the background (snapshot/); refuse a diverged state."""
+        self._check_finite()  # no snapshot of what a step with a NaN or infinite loss or gradient made
         if self.stepper.loss_steps:
-            self._synced_loss()  # stops the run if the loss since the last log diverged: no NaN snapshot
+            self._synced_loss()
+        if not distributed.all_true(self.env, self.state.finite()):
+            raise RunError(
+                f"the weights or the optimizer state are not finite at step {self.progress.step} (their gradients "
+                f"were): no snapshot is saved from them (newest: step {self.last_saved}). Lower {flag('lr')} or "
+                f"check the optimizer's settings; then run the same command again to resume from that snapshot"
+            )
         shared, rank_state, sharded_state = self.state.capture()
         shared.update(
             step=self.progress.step,
@@ -433,8 +456,9 @@ class Trainer:
     def __exit__(self, kind, error, traceback) -> None:
         try:
             if kind is None or issubclass(kind, RunError):
-                self.snapshots.wait()  # a save in flight holds a good state: let it commit (not after a failure,
-                # where a lost rank's part may never come)
+                self.snapshots.wait()  # a save in flight holds a good state: let it commit
+            else:  # a rank's own error, or a lost peer: a part that may never come is waited for a while only
+                self.snapshots.settle(SAVE_GRACE_S)
         finally:
             self.close(error)
 
@@ -448,6 +472,18 @@ class Trainer:
         ]
         if changed:
             log.info("settings changed since %s was written (applied from now on): %s", folder, ", ".join(changed))
+        if self.user_scheduler is not None and self.user_scheduler.rescaled:
+            log.info(
+                "build_scheduler's base learning rates follow build_optimizer's now (%s): the restored learning "
+                "rates are rescaled by the same ratio",
+                ", ".join(f"{old:.3g} -> {new:.3g}" for old, new in self.user_scheduler.rescaled),
+            )
+        elif self.user_scheduler is not None and resumed["config"].get("lr") != self.cfg.lr:
+            self._warn_once(
+                "%s changed, but the learning rates build_optimizer in model.py makes did not: your optimizer "
+                "does not take cfg.lr, so the change does not reach your schedule",
+                flag("lr"),
+            )
 
     def _warn_about_settings(self) -> None:
         cfg, steps = self.cfg, self.total_steps
@@ -492,6 +528,26 @@ class Trainer:
         if progress.val_loss < progress.best_val_loss:
             progress.best_val_loss, progress.best_step = progress.val_loss, progress.step
             self.export("best.pt")
+
+    def _check_finite(self) -> None:
+        """Stop the run (every rank at once) when a step so far had a NaN or infinite loss or gradient: the
+        weights it made are not saved, and the newest snapshot is from before it."""
+        found = self.stepper.first_nonfinite()
+        if found is None:
+            return
+        step, ranks = found
+        if ranks:
+            what = f"the loss is not finite at step {step} on {', '.join(f'rank {rank}' for rank in ranks)}"
+        else:
+            what = (
+                f"the gradient is not finite at step {step} on every rank (averaged over the ranks; the loss was "
+                f"finite on every rank: a NaN or infinity arose in backward)"
+            )
+        raise RunError(
+            f"{what}: the run stops, and no snapshot is saved from that step on (newest: step {self.last_saved}). "
+            f"Lower {flag('lr')}, set {flag('clip_grad')}, or check the data and the model; then run the same "
+            "command again to resume from that snapshot"
+        )
 
     def _synced_loss(self) -> float:
         """The mean training loss since the last log, over every rank; a NaN or infinite one stops the run."""
