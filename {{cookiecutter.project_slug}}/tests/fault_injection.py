@@ -2,6 +2,8 @@
 
 The fault is chosen by environment variables:
     FAULT=raise_at_step       rank FAULT_RANK raises at its FAULT_STEP-th optimizer step
+    FAULT=nan_grad_at_step    rank FAULT_RANK's gradient of the model's first parameter turns NaN in the backward of
+                              its FAULT_STEP-th step (before the ranks average it), its loss still finite
     FAULT=crash_in_save       rank FAULT_RANK is SIGKILLed halfway through writing FAULT_FILE ("rank" or
                               "manifest") of the snapshot of step FAULT_STEP, leaving a temp file behind
     FAULT=kill_after_commit   rank 0 is SIGKILLed right after it commits the snapshot of step FAULT_STEP
@@ -11,6 +13,7 @@ The fault is chosen by environment variables:
     NO_RNG_RESTORE=1          resume without restoring the random streams (to prove the resume test can fail)
     COUNT_ALLREDUCE=1         print "gradient all-reduces: N" on rank 0 at exit
     SLOW_COPY=<seconds>       every snapshot's copy off the training thread starts this much later
+    SLOW_WRITE=<seconds>      every snapshot's files are written this much later (after the copy)
     RECORD_STARTS=<folder>    each rank writes start-rank{R}-attempt{A} there: "warm" when torch was imported
                               before this script began (a warm restart: the rank runs in a fork of the job's zygote,
                               machinery/warmstart.py), else "cold"
@@ -77,6 +80,23 @@ if FAULT == "raise_at_step" and RANK == FAULT_RANK:
 
     trainer.Trainer.optimizer_step = failing_step
 
+if FAULT == "nan_grad_at_step" and RANK == FAULT_RANK:
+    original_forward_backward = trainer.Trainer.forward_backward
+    steps = [0]
+
+    def poisoned_forward_backward(self, *args, **kwargs):
+        steps[0] += 1
+        hook = None
+        if steps[0] == FAULT_STEP and should_fire():
+            hook = next(self.model.parameters()).register_hook(lambda grad: grad * float("nan"))
+        try:
+            return original_forward_backward(self, *args, **kwargs)
+        finally:
+            if hook is not None:
+                hook.remove()
+
+    trainer.Trainer.forward_backward = poisoned_forward_backward
+
 if FAULT == "crash_in_save" and RANK == FAULT_RANK:
     target = snapshot.MANIFEST if os.environ.get("FAULT_FILE") == "manifest" else snapshot.rank_file(RANK)
     original_write = format.write_atomic
@@ -138,6 +158,17 @@ if os.environ.get("SLOW_COPY"):
         return original_copy(*args, **kwargs)
 
     writer._copy_to_cpu = slow_copy
+
+if os.environ.get("SLOW_WRITE"):
+    import time
+
+    original_save_write = writer.write_atomic
+
+    def slow_write(*args, **kwargs):
+        time.sleep(float(os.environ["SLOW_WRITE"]))
+        return original_save_write(*args, **kwargs)
+
+    writer.write_atomic = slow_write
 
 if __name__ == "__main__":
     train.main(sys.argv[1:])

@@ -4,6 +4,9 @@ worker its exact share, a token-weighted loss is the mean over every rank's toke
 Nothing here names the demo's model or data.
 """
 
+import collections
+import contextlib
+import dataclasses
 import io
 import sys
 import types
@@ -18,8 +21,8 @@ sys.path.insert(0, str(ROOT))
 
 from {{ cookiecutter.project_slug }}.machinery.batches import Progress, to_device
 from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
-from {{ cookiecutter.project_slug }}.machinery.hooks import UserCode
-from {{ cookiecutter.project_slug }}.machinery.stream import RankShare, StreamBatches, StreamEnded
+from {{ cookiecutter.project_slug }}.machinery.hooks import UserCode, _as_result
+from {{ cookiecutter.project_slug }}.machinery.stream import RankShare, StreamBatches, StreamEnded, shards_itself
 
 # -- any batch to the device ---------------------------------------------------------------------------------------
 
@@ -39,6 +42,44 @@ def test_every_tensor_of_a_nested_batch_moves_and_other_values_stay():
     assert moved["input_ids"].dtype == torch.long and moved["pair"][1]["deep"].shape == (2, 2)
 
 
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    pixels: torch.Tensor
+    label: str
+
+
+@dataclasses.dataclass
+class Example:
+    inputs: torch.Tensor
+    nested: Frozen
+    weights: list
+
+
+Pair = collections.namedtuple("Pair", "x y")
+
+
+class Encoding(collections.UserDict):
+    """A mapping that is no dict, as Hugging Face's BatchEncoding; with an attribute of its own."""
+
+    def __init__(self, data=None, kind="text"):
+        super().__init__(data)
+        self.kind = kind
+
+
+def test_dataclasses_named_tuples_and_mappings_move_like_dicts():
+    batch = Example(torch.ones(3, 2), Frozen(torch.zeros(3, 1), "cat"), [Pair(torch.ones(3), 4)])
+    encoding = Encoding({"input_ids": torch.ones(3, 5)}, kind="tokens")
+    moved, moved_encoding = to_device((batch, encoding), torch.device("meta"))
+    assert type(moved) is Example and type(moved.nested) is Frozen and type(moved.weights[0]) is Pair
+    assert [t.device.type for t in (moved.inputs, moved.nested.pixels, moved.weights[0].x)] == ["meta"] * 3
+    assert moved.nested.label == "cat" and moved.weights[0].y == 4 and batch.inputs.device.type == "cpu"
+    assert type(moved_encoding) is Encoding and moved_encoding.kind == "tokens"
+    assert moved_encoding["input_ids"].device.type == "meta" and encoding["input_ids"].device.type == "cpu"
+    # compute_loss returning a scalar: the batch's size is read from the dataclass
+    result = _as_result(torch.tensor(1.0), batch)
+    assert result.count == 3
+
+
 # -- a stream's share ------------------------------------------------------------------------------------------------
 
 
@@ -53,7 +94,10 @@ class Numbers(IterableDataset):
 
 
 def share(rank, world_size, workers, skip=0, dataset=None, batch=4):
-    items = RankShare(dataset or Numbers(200), DistEnv(rank=rank, world_size=world_size), batch, skip, True)
+    """The items rank `rank` trains on, from its `skip`-th on."""
+    env = DistEnv(rank=rank, world_size=world_size)
+    dataset = dataset or Numbers(200)
+    items = RankShare(dataset, env, batch, skip, shards_itself(dataset, env))
     loader = DataLoader(items, batch_size=batch, num_workers=workers, drop_last=True)
     return [int(i) for b in loader for i in b]
 
@@ -67,9 +111,11 @@ def test_rank_r_of_n_takes_items_r_r_plus_n_and_workers_keep_the_order(workers):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_share_resumed_after_k_batches_continues_exactly(workers):
+def test_a_share_resumed_after_k_items_continues_exactly_whatever_the_batch_size(workers):
     whole = share(1, 2, 0)
-    assert share(1, 2, workers, skip=5) == whole[5 * 4 :]
+    assert share(1, 2, workers, skip=20) == whole[20:]
+    assert share(1, 2, workers, skip=20, batch=3) == whole[20 : 20 + len(share(1, 2, workers, skip=20, batch=3))]
+    assert share(1, 2, workers, skip=6, batch=5)[:5] == whole[6:11]  # a position no whole batch of 5 ends at
 
 
 def test_a_dataset_that_shards_itself_is_taken_whole():
@@ -79,7 +125,7 @@ def test_a_dataset_that_shards_itself_is_taken_whole():
 
 
 def test_steps_of_a_stream_resume_from_their_state_and_its_end_is_an_error():
-    cfg = types.SimpleNamespace(batch_size=2, grad_accum=2, num_workers=0)
+    cfg = types.SimpleNamespace(batch_size=2, grad_accum=2, num_workers=0, seed=0)
 
     def batches():  # rank 0 of 2 on the stream 0, 1, ..., 19: items 0, 2, 4, ...
         return StreamBatches(Numbers(20), cfg, DistEnv(rank=0, world_size=2), Progress(), None)
@@ -96,6 +142,19 @@ def test_steps_of_a_stream_resume_from_their_state_and_its_end_is_an_error():
     assert [batch.tolist() for batch in next(resumed)] == second
     with pytest.raises(StreamEnded):
         next(whole)  # items 16 and 18 are left: not a whole step
+
+
+def test_a_stream_resumed_with_another_batch_size_and_accumulation_continues_at_the_next_item():
+    def batches(batch_size, grad_accum):  # rank 1 of 2 on the stream 0, 1, ..., 99: items 1, 3, 5, ...
+        cfg = types.SimpleNamespace(batch_size=batch_size, grad_accum=grad_accum, num_workers=0, seed=0)
+        return StreamBatches(Numbers(100), cfg, DistEnv(rank=1, world_size=2), Progress(), None)
+
+    first = batches(3, 2)
+    taken = [int(i) for batch in next(first) for i in batch]
+    resumed = batches(4, 1)
+    resumed.load_state_dict(first.state_dict())
+    assert taken == [1, 3, 5, 7, 9, 11]
+    assert next(resumed)[0].tolist() == [13, 15, 17, 19]
 
 
 # -- a token-weighted loss over ranks with unequal counts ------------------------------------------------------------
@@ -136,8 +195,6 @@ def tokens_of(rank):
 
 
 def token_sum(model, batch):
-    from {{ cookiecutter.project_slug }}.machinery.hooks import _as_result
-
     errors = (model(batch["x"]) - batch["y"]) ** 2
     return _as_result({"loss": errors.sum(), "count": len(errors)}, batch)
 
@@ -157,6 +214,40 @@ def test_a_token_weighted_loss_is_the_mean_over_every_ranks_tokens(tmp_path):
         for got, expected in zip(grads, (p.grad for p in model.parameters()), strict=True):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
         assert logged == pytest.approx(loss.item(), rel=1e-5)  # the step's loss, the same on every rank
+
+
+def evaluate_on(rank, world_size, store_path, results):
+    """evaluate() on a 2-rank gloo group, with a step whose sums have names that depend on the batch: "odd" only
+    for odd samples, which rank 0 (samples 0, 2, 4, ...) never meets."""
+    import torch.distributed as dist
+
+    from {{ cookiecutter.project_slug }}.machinery.evaluate import evaluate
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    try:
+        env = DistEnv(rank=rank, world_size=world_size)
+        model = torch.nn.Linear(1, 1)
+        parallel = types.SimpleNamespace(model=model, sharded=False, autocast=contextlib.nullcontext)
+        user = types.SimpleNamespace(step=named_sums, collate=None)
+        cfg = types.SimpleNamespace(batch_size=2, num_workers=0)
+        results[rank] = evaluate(torch.arange(6.0), parallel, user, cfg, env, lambda: None)[0]
+    finally:
+        dist.destroy_process_group()
+
+
+def named_sums(model, batch):
+    sums = {"all": batch.sum()}
+    if (batch % 2 == 1).any():
+        sums["odd"] = batch[batch % 2 == 1].sum()
+    return _as_result({"loss": batch.sum(), "count": len(batch), **sums}, batch)
+
+
+def test_evaluation_sums_are_the_union_of_every_ranks_names_each_over_the_total_count(tmp_path):
+    manager = mp.Manager()
+    results = manager.dict()
+    mp.spawn(evaluate_on, args=(2, tmp_path / "store", results), nprocs=2)
+    # samples 0..5: every sum over the 6 samples, "odd" (1 + 3 + 5) from rank 1 alone
+    assert results[0] == results[1] == {"val_loss": 15 / 6, "val_all": 15 / 6, "val_odd": 9 / 6}
 
 
 # -- the hooks -------------------------------------------------------------------------------------------------------
@@ -180,3 +271,49 @@ def test_a_misspelled_hook_is_named_and_a_missing_one_is_an_error(tmp_path, monk
         monkeypatch.delitem(sys.modules, name)
     with pytest.raises(Exception, match="compute_loss.*loss_fn"):
         UserCode("userpkg")
+
+
+class TiedLM(torch.nn.Module):
+    """Input and output embeddings share one weight, as in most causal LMs; the blocks in a ModuleList."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.ModuleDict({"embed": torch.nn.Embedding(10, 4), "norm": torch.nn.LayerNorm(4)})
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.body["embed"].weight
+
+
+def test_default_fsdp_units_never_split_modules_that_share_a_parameter():
+    from {{ cookiecutter.project_slug }}.machinery.parallel import default_shard_units
+
+    model = TiedLM()
+    units = default_shard_units(model)
+    assert units == [model.body["norm"], *model.blocks]  # embed and head: left to the root, which holds the weight
+    untied = TiedLM()
+    untied.head.weight = torch.nn.Parameter(untied.head.weight.detach().clone())
+    assert default_shard_units(untied) == [untied.body["embed"], untied.body["norm"], *untied.blocks, untied.head]
+
+
+def test_a_changed_base_lr_reaches_the_users_scheduler_on_resume_and_left_out_parameters_are_named():
+    from {{ cookiecutter.project_slug }}.machinery.optim import OptimizerPart, SchedulerPart, unoptimized_parameters
+
+    def build(lr):
+        model = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.SGD([model.weight], lr=lr)  # the bias is in no group
+        return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
+
+    model, optimizer, scheduler = build(1.0)
+    assert unoptimized_parameters(model, optimizer) == ["bias"]
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    saved = OptimizerPart(optimizer).state_dict(), SchedulerPart(scheduler).state_dict()
+    _, optimizer, scheduler = build(0.5)  # the resume's build_optimizer, with the new --lr; restored in this order
+    OptimizerPart(optimizer).load_state_dict(saved[0])
+    part = SchedulerPart(scheduler)
+    part.load_state_dict(saved[1])
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5 / 4) and part.rescaled == [(1.0, 0.5)]
+    optimizer.step()
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5 / 5)

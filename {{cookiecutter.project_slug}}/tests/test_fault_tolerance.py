@@ -165,6 +165,19 @@ def test_crash_inside_a_save_resumes_from_the_previous_snapshot(tmp_path, refere
 
 
 @pytest.mark.slow
+def test_a_ranks_error_while_a_snapshot_is_written_does_not_lose_it(tmp_path, reference_runs):
+    """Rank 1 raises two steps after the snapshot of step 40, while its files are still being written (each file
+    1 s late): the failing rank and the others let it commit before they exit, so the restart resumes from it."""
+    reference = reference_runs(ARGS)
+    env = injected(tmp_path, FAULT="raise_at_step", FAULT_RANK=1, FAULT_STEP=42, SLOW_WRITE=1)
+    cmd = train_cmd(2, ["--max-restarts=1"], script="tests/fault_injection.py") + ARGS + outputs(tmp_path)
+    out = run(cmd, env=env).stdout
+    assert (tmp_path / "fault-fired").exists() and len(FAILED_ATTEMPT.findall(out)) == 1
+    assert summary(tmp_path)["resumed_from"] == 40
+    assert_same_weights(reference["model"], final_model(tmp_path / "run-snapshots")["model"])
+
+
+@pytest.mark.slow
 def test_resume_without_the_random_streams_ends_with_other_weights(tmp_path, reference_runs):
     """The negative control of the exact resumes above (the crash inside the step-60 save resumes from step 40 too):
     the same resume from step 40, without the random streams restored, ends with other weights."""

@@ -5,11 +5,12 @@ Nothing here names the demo's settings or classes: these tests pass unchanged wi
 """
 
 import math
+import re
 import sys
 
 import pytest
 import torch
-from conftest import ROOT, metrics, outputs, run, summary, train_cmd
+from conftest import QUICK, ROOT, child_env, metrics, outputs, run, summary, train_cmd
 
 sys.path.insert(0, str(ROOT))
 
@@ -271,6 +272,26 @@ def test_a_loss_that_turns_nan_stops_the_run_before_a_snapshot_of_it(tmp_path):
     newest = load_latest(str(tmp_path / "run-snapshots"))
     assert newest["step"] == 20, "the snapshot of step 25 would hold NaN weights"
     assert all(torch.isfinite(t).all() for t in newest["model"].values() if t.is_floating_point())
+
+
+@pytest.mark.slow
+def test_nan_gradients_with_a_finite_loss_never_reach_a_snapshot_and_a_rerun_resumes_before_them(tmp_path):
+    """Rank 1's gradient turns NaN at step 20, a snapshot step, its loss finite: the run stops naming step 20, the
+    newest snapshot is step 10's and finite, and running the same command again (the fault fixed) resumes from it."""
+    args = QUICK + ["--max-steps", "30", "--snapshot-every", "10", "--eval-every", "0"] + outputs(tmp_path)
+    cmd = train_cmd(2, script="tests/fault_injection.py") + args
+    fault = {"FAULT": "nan_grad_at_step", "FAULT_RANK": 1, "FAULT_STEP": 20, "FAULT_ONCE": tmp_path / "fired"}
+    result = run(cmd, env=child_env(**fault), check=False)
+    assert result.returncode != 0 and (tmp_path / "fired").exists(), result.stdout[-3000:]
+    assert re.search(r"\bstep 20\b", result.stdout), result.stdout[-3000:]
+    newest = load_latest(str(tmp_path / "run-snapshots"))
+    assert newest["step"] == 10, "the snapshot of step 20 would hold NaN weights"
+    assert all(torch.isfinite(t).all() for t in newest["model"].values() if t.is_floating_point())
+    run(cmd, env=child_env(**fault))  # the same command again: the fault fires once only
+    done = summary(tmp_path)
+    assert done["resumed_from"] == 10 and done["steps"] == 30
+    weights = load_latest(str(tmp_path / "run-snapshots"))["model"]
+    assert all(torch.isfinite(t).all() for t in weights.values() if t.is_floating_point())
 
 
 # torch.compile: the wiring, with dynamo's eager backend (inductor's kernel compiler takes minutes on a small CPU).
