@@ -1,10 +1,11 @@
 """Order of the template's tests for two workers (./test.sh: -n 2 --dist worksteal, which hands each worker one half
 of the list and lets an idle one take tests from the end of the other's): the whole-suite test first, so it starts
-at once on the first worker; the next two longest last, so the second worker runs them beside it."""
+at once on the first worker; the next longest last, so the second worker runs them beside it."""
 
 FIRST = "test_own_model_and_data_pass_the_whole_suite"
 LAST = (
     "test_a_transformer_lm_on_a_stream_passes_the_seam_tests",
+    "test_the_hugging_face_recipes_resume_bitwise_under_ddp_and_fsdp",
     "test_dry_run_prepares_installs_tests_and_benchmarks_then_prints_one_table",
 )
 

@@ -27,6 +27,7 @@ FAST_OWN_TESTS = [
 ]
 OWN_MODEL = ROOT / "tests" / "own_model"
 OWN_LM = ROOT / "tests" / "own_lm"  # a transformer language model on a stream, with its own seam tests
+HF_RECIPE_TESTS = ROOT / "tests" / "own_hf" / "hf_recipe_tests.py"  # the README's recipes with transformers, datasets
 DEMO_BLOCK = re.compile(
     r"^[ \t]*# --- demo settings: delete them with the demo model and data ---\n"
     r".*?^[ \t]*# --- end of demo settings ---\n",
@@ -379,3 +380,13 @@ def test_a_transformer_lm_on_a_stream_passes_the_seam_tests(tmp_path):
     summary = result.stdout.strip().splitlines()[-1]
     assert re.search(r"\d+ passed", summary) and not re.search(r"failed|error|skipped", summary), summary
     print(f"the language model's seam tests: {summary}")
+
+
+def test_the_hugging_face_recipes_resume_bitwise_under_ddp_and_fsdp(tmp_path):
+    """The baked README's recipes with the real libraries (a GPT-2 from a config with tied weights and dropout, a
+    datasets.Dataset and a datasets stream split per rank), SIGKILLed and resumed under ddp and fsdp."""
+    project = bake(tmp_path)
+    shutil.copy(HF_RECIPE_TESTS, project / "tests" / "test_hf_recipes.py")
+    result = run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_hf_recipes.py", timeout=900)
+    summary = result.stdout.strip().splitlines()[-1]
+    assert re.search(r"4 passed", summary) and not re.search(r"failed|error|skipped", summary), summary

@@ -1,5 +1,7 @@
 """A user's own model, swapped in by the template tests: a tiny causal transformer language model (~27k parameters)
-with dict batches, a token-weighted loss, its own optimizer groups and its own learning-rate schedule.
+with dict batches, a token-weighted loss, its own optimizer groups and its own learning-rate schedule, dropout (so
+a resume must restore every random stream exactly, the stream's loader included), and its output layer tied to the
+token embedding (so fsdp's default units must keep the shared weight whole).
 
 OWN_LM_RECORD=<folder> makes every training call of compute_loss append the ids of its batch to
 <folder>/rank-<rank>.jsonl (with the process id, which tells a restarted job's attempts apart): the tests read
@@ -24,13 +26,14 @@ class Block(nn.Module):
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.dropout = nn.Dropout(0.1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, width = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
-        return x + self.mlp(self.norm2(x))
+        x = x + self.dropout(self.proj(attended.transpose(1, 2).reshape(batch, length, width)))
+        return x + self.dropout(self.mlp(self.norm2(x)))
 
 
 class TinyLM(nn.Module):
@@ -39,6 +42,7 @@ class TinyLM(nn.Module):
         self.tokens, self.positions = nn.Embedding(vocab_size, WIDTH), nn.Embedding(max_length, WIDTH)
         self.blocks = nn.ModuleList(Block(WIDTH, HEADS) for _ in range(BLOCKS))
         self.norm, self.head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, vocab_size)
+        self.head.weight = self.tokens.weight  # tied, as in most causal LMs
 
     def forward(self, input_ids, attention_mask=None, labels=None) -> dict[str, torch.Tensor]:
         # Padding is on the right, so causal attention keeps every real token from seeing it: the mask adds nothing.

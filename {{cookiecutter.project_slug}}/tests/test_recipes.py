@@ -1,5 +1,6 @@
-"""The README's recipes for your own model and data (a nanoGPT-style LM, a Hugging Face-style causal LM, a stream,
-optimizer groups with a schedule of your own) train and evaluate as written, in a copy of this project.
+"""The README's recipes for your own model and data (a nanoGPT-style LM, a Hugging Face causal LM on a Dataset and on
+a stream split per rank, a stream, optimizer groups with a schedule of your own) train and evaluate as written, in a
+copy of this project.
 
 A recipe is the README's ```python blocks marked `<!-- recipe NAME: FILE -->`; `(with OTHER: FILE, ...)` in the
 mark takes those files of recipe OTHER first and adds this block after them.
@@ -29,14 +30,17 @@ def recipes():
 RECIPES = recipes()
 
 
-def test_the_readme_has_the_four_recipes():
-    assert set(RECIPES) == {"nanogpt", "hf", "stream", "nanogpt-optim"}
+def test_the_readme_has_the_five_recipes():
+    assert set(RECIPES) == {"nanogpt", "hf", "hf-stream", "stream", "nanogpt-optim"}
     assert all(set(files) == {"model.py", "data.py"} for files in RECIPES.values())
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_a_recipe_trains_and_evaluates(tmp_path, name):
+    if "transformers" in "".join(RECIPES[name].values()):
+        pytest.importorskip("transformers", reason="the Hugging Face recipes need pip install -e '.[dev]'")
+        pytest.importorskip("datasets", reason="the Hugging Face recipes need pip install -e '.[dev]'")
     workspace = tmp_path / "project"
     shutil.copytree(ROOT / PACKAGE, workspace / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "train.py", workspace / "train.py")

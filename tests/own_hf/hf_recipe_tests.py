@@ -1,0 +1,111 @@
+"""The README's Hugging Face recipes with the real libraries: a `transformers` GPT-2 built from a config (dropout on,
+its output layer tied to the token embedding) on a `datasets.Dataset`, and on a `datasets` stream shuffled and split
+per rank with `split_dataset_by_node`, under ddp and under `--strategy fsdp` without `shard_units`.
+
+The template tests copy this file, as tests/test_hf_recipes.py (its name here keeps the template's own pytest from
+collecting it outside a bake), into a bake and run it there. Each test trains the recipe as the README writes it,
+uninterrupted and SIGKILLed at a random rank and moment (restarted by torchrun), and compares them bit for bit.
+"""
+
+import importlib
+import json
+import shutil
+import sys
+
+import conftest
+import pytest
+import torch
+from conftest import EXACT, PACKAGE, ROOT, assert_same_weights, final_model, sigkill_at_random_and_resume
+from test_recipes import RECIPES
+
+pytest.importorskip("transformers")
+pytest.importorskip("datasets")
+
+STEPS, BATCH, RANKS = 40, 4, 2
+ARGS = EXACT + ["--max-steps", str(STEPS), "--batch-size", str(BATCH), "--eval-every", "20", "--lr", "1e-3"]
+KILL_AFTER = (11, 25)
+# Appended to the recipe's model.py: each training batch's rows, per rank and process, for the stream test.
+RECORD = """
+
+_recipe_compute_loss = compute_loss
+
+
+def compute_loss(model, batch):
+    import json, os
+
+    if model.training:
+        with open(os.path.join(os.environ["HF_RECORD"], f"rank-{os.environ.get('RANK', '0')}.jsonl"), "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "rows": batch["input_ids"].tolist()}) + "\\n")
+    return _recipe_compute_loss(model, batch)
+"""
+
+
+@pytest.fixture
+def recipe(tmp_path, monkeypatch):
+    """A copy of this project with a recipe's model.py and data.py, which the runs of the test train: a function
+    that takes the recipe's name and returns the copy's (model, data) modules."""
+
+    def make(name):
+        workspace = tmp_path / "project"
+        shutil.copytree(ROOT / PACKAGE, workspace / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(ROOT / "train.py", workspace / "train.py")
+        for file, source in RECIPES[name].items():
+            (workspace / PACKAGE / file).write_text(source + (RECORD if file == "model.py" else ""), encoding="utf-8")
+        (tmp_path / "rows").mkdir()
+        monkeypatch.setenv("HF_RECORD", str(tmp_path / "rows"))
+        monkeypatch.setattr(conftest, "ROOT", workspace)  # train_cmd() and child_env() take the copy
+        monkeypatch.syspath_prepend(str(workspace))
+        for module in [m for m in sys.modules if m == PACKAGE or m.startswith(PACKAGE + ".")]:
+            monkeypatch.delitem(sys.modules, module)
+        return importlib.import_module(f"{PACKAGE}.model"), importlib.import_module(f"{PACKAGE}.data")
+
+    return make
+
+
+def check_export_loads_strictly_with_tied_weights(model_module, export_dir, reference):
+    model = model_module.build_model(None, None)
+    weights = torch.load(export_dir / "model.pt", weights_only=True)
+    model.load_state_dict(weights, strict=True)
+    assert model.lm_head.weight is model.transformer.wte.weight  # still one tensor
+    assert_same_weights(model.state_dict(), reference)
+
+
+def rows_per_process(tmp_path, rank):
+    processes = {}
+    for line in (tmp_path / "rows" / f"rank-{rank}.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        processes.setdefault(entry["pid"], []).extend(entry["rows"])
+    return list(processes.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_dataset_resumes_bitwise_and_its_export_loads_with_tied_weights(tmp_path, recipe, strategy):
+    model_module, _ = recipe("hf")
+    resumed = sigkill_at_random_and_resume(tmp_path, RANKS, ARGS + ["--strategy", strategy], kill_after=KILL_AFTER)
+    assert resumed["steps"] == STEPS and resumed["resumed_from"] >= 10, resumed
+    reference = final_model(tmp_path / "reference-snapshots")["model"]
+    assert_same_weights(reference, final_model(tmp_path / "run-snapshots")["model"])
+    check_export_loads_strictly_with_tied_weights(model_module, tmp_path / "run-export", reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_split_stream_trains_every_item_of_each_split_once_in_order_and_resumes_bitwise(
+    tmp_path, recipe, monkeypatch, strategy
+):
+    model_module, data_module = recipe("hf-stream")
+    resumed = sigkill_at_random_and_resume(tmp_path, RANKS, ARGS + ["--strategy", strategy], kill_after=KILL_AFTER)
+    assert resumed["steps"] == STEPS and resumed["resumed_from"] >= 10, resumed
+    reference = final_model(tmp_path / "reference-snapshots")["model"]
+    assert_same_weights(reference, final_model(tmp_path / "run-snapshots")["model"])
+    check_export_loads_strictly_with_tied_weights(model_module, tmp_path / "run-export", reference)
+    for rank in range(RANKS):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", str(RANKS))
+        split, _ = data_module.build_datasets(importlib.import_module(f"{PACKAGE}.config").parse_args([]))
+        expected = [item["input_ids"] for _, item in zip(range(STEPS * BATCH), split, strict=False)]
+        reference_rows, *attempts = rows_per_process(tmp_path, rank)
+        assert reference_rows == expected  # the uninterrupted run: every item of this rank's split, in order
+        last = attempts[-1]  # the attempt that finished: from the snapshot it resumed, to the end
+        assert last == expected[resumed["resumed_from"] * BATCH :]
