@@ -10,7 +10,8 @@
 | model.py | compute_loss(model, batch) -> loss or dict    | no                   | loss_fn(model(inputs), targets)   |
 | model.py | build_optimizer(cfg, model) -> Optimizer      | no                   | optim.default_optimizer           |
 | model.py | build_scheduler(cfg, optimizer, total_steps)  | no                   | optim.SampleSchedule              |
-| model.py | shard_units(model) -> [Module]                | no                   | parallel.default_shard_units      |
+| model.py | shard_units(model) -> [Module or [Module]]    | no                   | parallel.default_shard_units      |
+| model.py | extra_state(cfg, model, optimizer) -> {name: part} | no              | model, optimizer, ... only        |
 
 A top-level function of model.py or data.py whose name is close to a hook's but not one (`build_optimiser`) is
 named in a warning at start-up: it would otherwise be ignored without a word.
@@ -45,6 +46,7 @@ HOOKS: dict[str, tuple[str, ...]] = {
         "build_optimizer",
         "build_scheduler",
         "shard_units",
+        "extra_state",
     ),
 }
 REQUIRED = {"data": ("build_datasets",), "model": ("build_model",)}
@@ -82,6 +84,7 @@ class UserCode:
         self.build_optimizer = self._hook("model", "build_optimizer")
         self.build_scheduler = self._hook("model", "build_scheduler")
         self.shard_units = self._hook("model", "shard_units")
+        self.extra_state = self._hook("model", "extra_state")
         if self.compute_loss is None and self.loss_fn is None:
             raise RunError("model.py has neither compute_loss(model, batch) nor loss_fn(outputs, targets): define one")
 

@@ -9,6 +9,7 @@ and restored whole (its position and base learning rates).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -26,6 +27,75 @@ def default_optimizer(cfg: Any, model: nn.Module) -> torch.optim.Optimizer:
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW([group for group in groups if group["params"]], lr=cfg.lr)
+
+
+class Optimizers(torch.optim.Optimizer):
+    """Several optimizers as one (build_optimizer returned a list): stepped, zeroed, scaled and saved together.
+
+    Its param_groups are the optimizers' own group dicts, in order, so a scheduler built on it sets their learning
+    rates, and the gradient scaler unscales them all; hooks registered on it (register_step_post_hook, e.g. to
+    update an EMA) run after every optimizer has stepped."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        # Not Optimizer.__init__, which would make groups of its own: only the hooks' tables and the step wrapper
+        # that runs them.
+        self.optimizers = optimizers
+        self.defaults: dict[str, Any] = {}
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
+        self.param_groups = [group for optimizer in optimizers for group in optimizer.param_groups]
+
+    @property  # type: ignore[override]  # a view of the optimizers' states, read-only
+    def state(self) -> dict[Any, Any]:  # type: ignore[override]
+        return {param: state for optimizer in self.optimizers for param, state in optimizer.state.items()}
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        states = [optimizer.state_dict() for optimizer in self.optimizers]
+        return {"optimizers": states, "param_groups": [group for state in states for group in state["param_groups"]]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("optimizers", [])
+        if len(saved) != len(self.optimizers):
+            raise RunError(
+                f"the snapshot holds {len(saved)} optimizer(s) and build_optimizer now returns "
+                f"{len(self.optimizers)}: resume with the same ones, or start from scratch with --resume never"
+            )
+        for optimizer, state in zip(self.optimizers, saved, strict=True):
+            optimizer.load_state_dict(state)
+
+
+def as_optimizer(value: Any) -> torch.optim.Optimizer:
+    """build_optimizer's answer as one optimizer: an Optimizer as it is, a list or tuple of them as Optimizers."""
+    if isinstance(value, torch.optim.Optimizer):
+        return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(o, torch.optim.Optimizer) for o in value):
+        return value[0] if len(value) == 1 else Optimizers(list(value))
+    what = (
+        f"a {type(value).__name__} of {', '.join(sorted({type(o).__name__ for o in value}))}"
+        if isinstance(value, (list, tuple)) and value
+        else "an empty list"
+        if isinstance(value, (list, tuple))
+        else f"a {type(value).__name__}"
+    )
+    raise RunError(f"build_optimizer in model.py returned {what}: return a torch.optim.Optimizer, or a list of them")
+
+
+def optimizers_of(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers one stands for: its own list when it is an Optimizers, else itself."""
+    return optimizer.optimizers if isinstance(optimizer, Optimizers) else [optimizer]
 
 
 class SampleSchedule(LRScheduler):

@@ -1,7 +1,7 @@
 """What a snapshot holds: a dict of named parts, each with state_dict() / load_state_dict().
 
     shared parts (rank 0 writes them once):  model, optimizer, scheduler, scaler, progress (step, data position,
-                                             losses), and any part you add
+                                             losses), and model.py's extra_state parts
     rank parts (each rank writes its own):   rng (its random streams), data (its place in a stream, for streams)
 
 Saving and restoring loop over the parts, in the order they were added: the model before the optimizer (which
@@ -10,9 +10,9 @@ in how the model and the optimizer turn into tensors: under fsdp they are each r
 torch.distributed.checkpoint (see snapshot/). The random streams are restored by the trainer itself, last, right
 before the first step (`TrainState.restore` hands them back), so that nothing in between draws from them.
 
-To snapshot something of your own (an EMA copy of the weights, a second optimizer), add it as a part in
-trainer.py (`state.add("ema", ema)`): anything with state_dict() and load_state_dict() whose state holds tensors,
-numbers, strings and containers of them.
+To snapshot something of your own (an EMA copy of the weights), return it from `extra_state(cfg, model, optimizer)`
+in model.py as {name: part}: anything with state_dict() and load_state_dict() whose state holds tensors, numbers,
+strings and containers of them. Under fsdp it is written with the model's shards (its tensors may be DTensors).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from . import distributed
 from .batches import Progress
 from .distributed import DistEnv
-from .optim import reapply_hyperparameters
+from .optim import optimizers_of, reapply_hyperparameters
 from .settings import RunError, flag
 from .snapshot import capture_rng
 
@@ -86,17 +86,27 @@ class RngPart:
 
 
 class TrainState:
-    """The parts of a snapshot, in order; `sharded` (fsdp): the model and the optimizer are written as shards."""
+    """The parts of a snapshot, in order; `sharded` (fsdp): the model, the optimizer and model.py's extra parts are
+    written as shards, through torch.distributed.checkpoint."""
 
     def __init__(self, env: DistEnv, sharded: bool):
         self.env, self.sharded = env, sharded
         self.shared: dict[str, Stateful] = {}
         self.rank: dict[str, Stateful] = {}
+        self.extra: list[str] = []  # model.py's extra_state parts, among the shared ones
 
-    def add(self, name: str, part: Stateful, per_rank: bool = False) -> None:
-        if name in self.shared or name in self.rank or name in META or name in ("rank_state", "rank_states"):
+    def has(self, name: str) -> bool:
+        return name in self.shared or name in self.rank or name in META or name in ("rank_state", "rank_states")
+
+    def add(self, name: str, part: Stateful, per_rank: bool = False, extra: bool = False) -> None:
+        if self.has(name):
             raise ValueError(f"a snapshot part named {name!r} exists already")
         (self.rank if per_rank else self.shared)[name] = part
+        if extra:
+            self.extra.append(name)
+
+    def _sharded_parts(self) -> list[str]:
+        return ["model", "optimizer", *self.extra] if self.sharded else []
 
     def capture(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
         """(shared parts, this rank's parts, sharded parts or None), the tensors still live: the snapshot writer
@@ -107,14 +117,14 @@ class TrainState:
             # step starts from rank 0's anyway.
             model = self._model()
             distributed.broadcast_buffers(self.env, model)
-            model_state, optimizer_state = get_state_dict(model, self._optimizer())
+            model_state, optimizer_state = get_state_dict(model, optimizers_of(self._optimizer()))
             for name, buffer in model.named_buffers():
                 if name in model_state:
                     model_state[name] = buffer.detach().clone()
             sharded_state = {"model": model_state, "optimizer": optimizer_state}
+            sharded_state.update({name: self.shared[name].state_dict() for name in self.extra})
         shared = {
-            name: {} if sharded_state is not None and name in sharded_state else part.state_dict()
-            for name, part in self.shared.items()
+            name: {} if name in self._sharded_parts() else part.state_dict() for name, part in self.shared.items()
         }
         return shared, {name: part.state_dict() for name, part in self.rank.items()}, sharded_state
 
@@ -137,7 +147,7 @@ class TrainState:
             if self.sharded:
                 self._load_shards(resumed["sharded_dir"])
             for name, part in self.shared.items():
-                if self.sharded and name in ("model", "optimizer"):
+                if name in self._sharded_parts():
                     continue
                 if name not in resumed:
                     raise KeyError(f"no part {name!r}")
@@ -162,17 +172,37 @@ class TrainState:
         changed), with the optimizer's hyperparameters from the current build_optimizer."""
         model, optimizer = self._model(), self._optimizer()
         current = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        model_state, optimizer_state = get_state_dict(model, optimizers_of(optimizer))
         state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
+        state.update({name: self.shared[name].state_dict() for name in self.extra})
         dcp.load(state, checkpoint_id=folder)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(
+            model, optimizers_of(optimizer), model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
         reapply_hyperparameters(optimizer, current)
+        for name in self.extra:
+            self.shared[name].load_state_dict(state[name])
 
     def _model(self) -> nn.Module:
         return self.shared["model"].model  # type: ignore[attr-defined]
 
     def _optimizer(self) -> torch.optim.Optimizer:
         return self.shared["optimizer"].optimizer  # type: ignore[attr-defined]
+
+
+def checked_parts(parts: Any) -> dict[str, Stateful]:
+    """extra_state's answer, checked: a dict of names to parts that have state_dict() and load_state_dict()."""
+    if not isinstance(parts, dict):
+        raise RunError(f"extra_state in model.py returned a {type(parts).__name__}: return a dict of names to parts")
+    for name, part in parts.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise RunError(f"extra_state in model.py returned a part named {name!r}: name each with an identifier")
+        if not (callable(getattr(part, "state_dict", None)) and callable(getattr(part, "load_state_dict", None))):
+            raise RunError(
+                f"extra_state in model.py returned {name!r} as a {type(part).__name__}, which has no state_dict() "
+                "and load_state_dict(): return parts that have both (a module, an optimizer, an AveragedModel, ...)"
+            )
+    return parts
 
 
 def estimated_bytes(model: nn.Module) -> int:

@@ -36,12 +36,19 @@ from .batches import Batches, Progress, RunLength
 from .distributed import DistEnv
 from .evaluate import evaluate
 from .hooks import UserCode
-from .optim import OptimizerPart, SampleSchedule, SchedulerPart, default_optimizer, unoptimized_parameters
+from .optim import (
+    OptimizerPart,
+    SampleSchedule,
+    SchedulerPart,
+    as_optimizer,
+    default_optimizer,
+    unoptimized_parameters,
+)
 from .parallel import Parallel
 from .report import Summary, export, progress_bar, snapshot_size, val_text, write_config, write_summary
 from .settings import RunError, flag
 from .snapshot import SnapshotError, Snapshots, restore_rng, step_name, write_json_atomic
-from .state import ModelPart, ProgressPart, RngPart, TrainState, estimated_bytes
+from .state import ModelPart, ProgressPart, RngPart, TrainState, checked_parts, estimated_bytes
 from .step import Stepper
 from .stop import STOP_RECORD, StopRequest
 from .stream import StreamBatches
@@ -164,7 +171,7 @@ class Trainer:
         self.length = RunLength(cfg, self.progress.step_samples, None if self.stream else len(self.train_data))
         self.total_steps = self.length.steps(self.progress, self.global_batch)
 
-        self.optimizer = (self.user.build_optimizer or default_optimizer)(cfg, self.model)
+        self.optimizer = as_optimizer((self.user.build_optimizer or default_optimizer)(cfg, self.model))
         left_out = unoptimized_parameters(self.model, self.optimizer)
         if left_out:
             more = f" and {len(left_out) - 5} more" if len(left_out) > 5 else ""
@@ -199,6 +206,14 @@ class Trainer:
         self.state.add("rng", RngPart(), per_rank=True)
         if isinstance(self.batches, StreamBatches):  # a stream's place is each rank's own
             self.state.add("data", self.batches, per_rank=True)
+        if self.user.extra_state is not None:  # model.py's own parts (an EMA of the weights, ...)
+            for name, part in checked_parts(self.user.extra_state(cfg, self.model, self.optimizer)).items():
+                if self.state.has(name):
+                    raise RunError(
+                        f"extra_state in model.py returns a part named {name!r}, which the snapshot holds already: "
+                        "rename it"
+                    )
+                self.state.add(name, part, extra=True)
 
         self.stepper = Stepper(
             self.parallel, self.optimizer, self.scheduler, self.scaler, self.user, cfg, env, self.progress

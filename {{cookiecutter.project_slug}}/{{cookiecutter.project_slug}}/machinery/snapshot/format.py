@@ -293,7 +293,9 @@ def load_latest(directory: str, rank: int | None = None) -> dict | None:
             every_rank = range(int(manifest["world_size"]))
             state = _load_step(step_path, every_rank)
             if state["sharded_dir"]:
-                state["model"] = read_sharded_model(state["sharded_dir"])
+                for name in sharded_parts(state["sharded_dir"]):
+                    if name != "optimizer":  # its shards stay as they are: keyed by parameter, not a state_dict
+                        state[name] = read_sharded_model(state["sharded_dir"], name)
         except SnapshotError as exc:
             log.warning("skipping snapshot %s: %s", step_path, exc)
             reasons.append(str(exc))
@@ -312,6 +314,15 @@ def _shard_of(name: str) -> int | None:
     if match is None:
         return None
     return int(match.group(2)) if match.group(2) is not None else 0
+
+
+def sharded_parts(folder: str) -> list[str]:
+    """The parts a torch.distributed.checkpoint folder holds: "model", "optimizer" and model.py's extra ones."""
+    try:
+        metadata = dcp.FileSystemReader(folder).read_metadata()
+    except Exception as exc:  # the checksums matched: written by something else
+        raise SnapshotError(f"{folder}: unreadable metadata ({type(exc).__name__}: {exc})") from exc
+    return sorted({key.split(".", 1)[0] for key in metadata.state_dict_metadata})
 
 
 def read_sharded_model(folder: str, prefix: str = "model") -> dict[str, torch.Tensor]:
