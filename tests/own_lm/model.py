@@ -1,7 +1,8 @@
 """A user's own model, swapped in by the template tests: a tiny causal transformer language model (~27k parameters)
 with dict batches, a token-weighted loss, its own optimizer groups and its own learning-rate schedule, dropout (so
 a resume must restore every random stream exactly, the stream's loader included), and its output layer tied to the
-token embedding (so fsdp's default units must keep the shared weight whole).
+token embedding (so fsdp's default units must keep the shared weight whole), and an EMA of its weights kept in every
+snapshot (extra_state).
 
 OWN_LM_RECORD=<folder> makes every training call of compute_loss append the ids of its batch to
 <folder>/rank-<rank>.jsonl (with the process id, which tells a restarted job's attempts apart): the tests read
@@ -99,3 +100,34 @@ def build_scheduler(cfg, optimizer: torch.optim.Optimizer, total_steps: int) -> 
         return 1.0 - 0.9 * min(1.0, (step - WARMUP_STEPS) / max(1, total_steps - WARMUP_STEPS))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class EMA:
+    """An exponential moving average of the weights (of their shards, under fsdp, where AveragedModel's deepcopy of
+    the model is refused), with state_dict() and load_state_dict(): a snapshot part."""
+
+    def __init__(self, model: nn.Module, decay: float = 0.9):
+        self.model, self.decay = model, decay
+        self.average = {name: p.detach().clone() for name, p in model.named_parameters()}
+        self.updates = 0
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for name, parameter in self.model.named_parameters():
+            self.average[name].lerp_(parameter.detach(), 1 - self.decay)
+        self.updates += 1
+
+    def state_dict(self) -> dict:
+        return {**self.average, "updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, value in self.average.items():
+            value.copy_(state[name])
+        self.updates = int(state["updates"])
+
+
+def extra_state(cfg, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The EMA of the weights, updated after every optimizer step, saved in every snapshot and resumed."""
+    ema = EMA(model)
+    optimizer.register_step_post_hook(lambda *args: ema.update())
+    return {"ema": ema}

@@ -80,9 +80,12 @@ def scheduled_lrs(total_steps):
 @pytest.mark.slow
 def test_sigkill_at_a_random_moment_ends_bitwise_equal_to_an_uninterrupted_run(killed_run):
     tmp_path, _ = killed_run
-    reference = final_model(tmp_path / "reference-snapshots")
+    reference, resumed = final_model(tmp_path / "reference-snapshots"), final_model(tmp_path / "run-snapshots")
     assert reference["step"] == STEPS
-    assert_same_weights(reference["model"], final_model(tmp_path / "run-snapshots")["model"])
+    assert_same_weights(reference["model"], resumed["model"])
+    # model.py's extra part, the EMA of the weights, resumed as exactly: it moved away from the initial weights
+    assert_same_weights(reference["ema"], resumed["ema"])
+    assert int(resumed["ema"]["updates"]) == STEPS
 
 
 @pytest.mark.slow
@@ -168,6 +171,15 @@ def test_fsdp_without_shard_units_resumes_bitwise_and_snapshots_hold_the_full_we
     weights = final_model(tmp_path / "run-snapshots")["model"]
     assert_same_weights(reference, weights)
     assert not [name for name, value in weights.items() if isinstance(value, DTensor)]
+    # model.py's EMA, written with the model's shards: whole again, and resumed as exactly
+    reference_ema, ema = (
+        final_model(tmp_path / "reference-snapshots")["ema"],
+        final_model(tmp_path / "run-snapshots")["ema"],
+    )
+    assert_same_weights(reference_ema, ema)
+    assert int(ema["updates"]) == STEPS
+    shapes = {name: value.shape for name, value in weights.items() if name != "head.weight"}  # tied: one tensor
+    assert {name: value.shape for name, value in ema.items() if name != "updates"} == shapes
     expected = fresh_model().state_dict()
     assert {name: value.shape for name, value in weights.items()} == {k: v.shape for k, v in expected.items()}
     fresh_model().load_state_dict(weights)  # one process, no process group: whole tensors load strictly
