@@ -1,6 +1,6 @@
 """The README's recipes for your own model and data (a nanoGPT-style LM, a Hugging Face causal LM on a Dataset and on
-a stream split per rank, a stream, optimizer groups with a schedule of your own) train and evaluate as written, in a
-copy of this project.
+a stream split per rank, a stream, optimizer groups with a schedule of your own, an EMA and a second optimizer) train
+and evaluate as written, in a copy of this project.
 
 A recipe is the README's ```python blocks marked `<!-- recipe NAME: FILE -->`; `(with OTHER: FILE, ...)` in the
 mark takes those files of recipe OTHER first and adds this block after them.
@@ -30,8 +30,8 @@ def recipes():
 RECIPES = recipes()
 
 
-def test_the_readme_has_the_five_recipes():
-    assert set(RECIPES) == {"nanogpt", "hf", "hf-stream", "stream", "nanogpt-optim"}
+def test_the_readme_has_the_six_recipes():
+    assert set(RECIPES) == {"nanogpt", "hf", "hf-stream", "stream", "nanogpt-optim", "ema"}
     assert all(set(files) == {"model.py", "data.py"} for files in RECIPES.values())
 
 
