@@ -9,6 +9,8 @@ The fault is chosen by environment variables:
     FAULT=kill_after_commit   rank 0 is SIGKILLed right after it commits the snapshot of step FAULT_STEP
     FAULT=raise_in_quorum     (--fault-tolerance torchft) rank FAULT_RANK raises right after it starts its first
                               step's quorum, while torchft forms the quorum in its own thread
+    FAULT=desync_at_step      rank FAULT_RANK adds 1 to the tensor FAULT_TENSOR (a state_dict key of the model) right
+                              after its FAULT_STEP-th optimizer step: replicas that drift apart (--check-replicas)
     FAULT_ONCE=<path>         fire only if <path> does not exist (it is created on firing), so a restart runs clean
     NO_RNG_RESTORE=1          resume without restoring the random streams (to prove the resume test can fail)
     COUNT_ALLREDUCE=1         print "gradient all-reduces: N" on rank 0 at exit
@@ -96,6 +98,22 @@ if FAULT == "nan_grad_at_step" and RANK == FAULT_RANK:
                 hook.remove()
 
     trainer.Trainer.forward_backward = poisoned_forward_backward
+
+if FAULT == "desync_at_step" and RANK == FAULT_RANK:
+    import torch
+
+    original_step = trainer.Trainer.optimizer_step
+    calls = [0]
+
+    def desyncing_step(self, *args, **kwargs):
+        stepped = original_step(self, *args, **kwargs)
+        calls[0] += 1
+        if calls[0] == FAULT_STEP and should_fire():
+            with torch.no_grad():
+                self.model.state_dict()[os.environ["FAULT_TENSOR"]].add_(1)
+        return stepped
+
+    trainer.Trainer.optimizer_step = desyncing_step
 
 if FAULT == "crash_in_save" and RANK == FAULT_RANK:
     target = snapshot.MANIFEST if os.environ.get("FAULT_FILE") == "manifest" else snapshot.rank_file(RANK)

@@ -117,6 +117,26 @@ class Config:
         "which a bitwise resume on GPUs needs; slower, and an operation without one fails",
     )
 
+    # Finding bugs (README.md, "Find a bug").
+    break_at_step: int = option(
+        0,
+        "call breakpoint() right before optimizer step N's forward (N counted from 1), with batch, model and step "
+        "as locals, on every rank or on those DEBUG_RANK names; PYTHONBREAKPOINT picks the debugger; 0 = off",
+        min=0,
+    )
+    profile_steps: str = option(
+        "",
+        "A:B traces optimizer steps A to B with torch.profiler on every rank, into profile/ beside --log-file "
+        "(logs/ when it is ''), and prints the top operators on rank 0; '' = off",
+        check=settings.step_range_problem,
+    )
+    check_replicas: int = option(
+        0,
+        "every N optimizer steps, compare every rank's parameters and buffers bit for bit and stop at the first "
+        "that differs (under fsdp, sharded parameters are left out); 0 = off",
+        min=0,
+    )
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

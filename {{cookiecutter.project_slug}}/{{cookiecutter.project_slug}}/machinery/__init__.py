@@ -26,6 +26,7 @@ Your rooms are one level up: model.py, data.py and config.py (the seam: machiner
                     process the job's first attempt left with torch imported
     watchdog.py     a hung rank's stacks, before the collective timeout
     debug.py        attach a debugger to chosen ranks (DEBUG_RANK)
+    debugflags.py   --break-at-step, --profile-steps, --check-replicas: hooks at the start and end of a step
     plot.py         loss curves from the metrics file (python -m <package>.machinery.plot)
     baked.py        the answers the project was generated with
 """

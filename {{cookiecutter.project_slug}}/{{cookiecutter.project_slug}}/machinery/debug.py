@@ -99,8 +99,9 @@ def _listen(env, note: str = "") -> None:
     debugpy.wait_for_client()
 
 
-def wait_for_debugger(env) -> bool:
-    """If DEBUG_RANK names this rank, listen for a debugger and wait for it.
+def wait_for_debugger(env, at_start: bool = True) -> bool:
+    """If DEBUG_RANK names this rank, listen for a debugger and wait for it (`at_start` False: not now; with
+    --break-at-step a chosen rank listens at that step, `listen_at_break`).
 
     Returns True when DEBUG_RANK is in effect: the ranks must then meet at a barrier (distributed.init does it), so
     that the ranks nobody debugs wait for the ones a debugger attaches to.
@@ -114,9 +115,18 @@ def wait_for_debugger(env) -> bool:
                 flush=True,
             )
         return False
-    if _is_chosen(env) and not postmortem_requested():
+    if at_start and _is_chosen(env) and not postmortem_requested():
         _listen(env)
     return True
+
+
+def listen_at_break(env, step: int) -> None:
+    """--break-at-step on a rank DEBUG_RANK names, with no debugger attached and none named by PYTHONBREAKPOINT:
+    wait for a debugger now, so that the breakpoint() that follows stops in it (debugpy answers breakpoint() once
+    imported)."""
+    named_elsewhere = os.environ.get("DEBUGPY_RUNNING") or os.environ.get("PYTHONBREAKPOINT")
+    if os.environ.get("DEBUG_RANK") and not named_elsewhere:
+        _listen(env, note=f" (break at step {step})")
 
 
 def post_mortem(env, exc: BaseException) -> None:

@@ -171,8 +171,11 @@ def _advertised_host(master_addr: str) -> str:
 
 
 def collective_timeout(cfg: Any) -> datetime.timedelta:
-    """How long one rank waits for the others: --dist-timeout, or a day while a debugger may hold a rank."""
-    return LONG_TIMEOUT if debug.requested() else datetime.timedelta(seconds=cfg.dist_timeout)
+    """How long one rank waits for the others: --dist-timeout, or a day while a debugger may hold a rank (under
+    DEBUG_RANK or F5, or with --break-at-step)."""
+    if debug.requested() or getattr(cfg, "break_at_step", 0) > 0:
+        return LONG_TIMEOUT
+    return datetime.timedelta(seconds=cfg.dist_timeout)
 
 
 def use_deterministic_algorithms() -> None:
@@ -230,7 +233,7 @@ def init(env: DistEnv, cfg: Any) -> DistEnv:
         env.device,
         threads,
     )
-    if debug.wait_for_debugger(env):
+    if debug.wait_for_debugger(env, at_start=not getattr(cfg, "break_at_step", 0)):
         barrier(env)  # the ranks nobody debugs wait here for those a debugger attaches to
     return env
 

@@ -16,9 +16,10 @@ import dataclasses
 import difflib
 import math
 import operator
+import re
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -45,11 +46,16 @@ class Rules:
     nonempty: bool = False  # refuse ''
     finite: bool = True  # refuse nan and +-inf in float fields
     reason: str = ""  # why the bounds are what they are, shown when a value breaks them
+    check: Callable[[Any], str | None] | None = None  # a rule of its own: what is wrong with a value, or None
 
     def problem(self, value: Any) -> str | None:
         """What is wrong with `value` ("must be > 0, got -1.0"), or None when it is allowed."""
         if value is None:
             return None
+        if self.check is not None:
+            found = self.check(value)
+            if found:
+                return found
         if self.choices is not None and value not in self.choices:
             return f"must be one of {', '.join(map(str, self.choices))}, got {shown(value)}"
         if self.nonempty and value == "":
@@ -97,10 +103,36 @@ def option(
     nonempty: bool = False,
     finite: bool = True,
     reason: str = "",
+    check: Callable[[Any], str | None] | None = None,
 ) -> Any:
-    """A config field: its default, its help text (shown by --help; write % as %%) and the values it accepts."""
-    rules = Rules(tuple(choices) if choices is not None else None, min, max, above, below, nonempty, finite, reason)
+    """A config field: its default, its help text (shown by --help; write % as %%) and the values it accepts
+    (`check`: a function of the value that says what is wrong with it, or returns None)."""
+    rules = Rules(
+        tuple(choices) if choices is not None else None, min, max, above, below, nonempty, finite, reason, check
+    )
     return field(default=default, metadata={"help": help, "rules": rules})
+
+
+def step_range(text: str) -> tuple[int, int] | None:
+    """`A:B` (optimizer steps A to B, counted from 1) as (A, B); None for ''; ValueError for anything else."""
+    if not text:
+        return None
+    found = re.fullmatch(r"\s*([0-9]{1,18})\s*:\s*([0-9]{1,18})\s*", text)
+    if found is None:
+        raise ValueError(f"must be A:B with whole numbers (optimizer steps, counted from 1), got {shown(text)}")
+    start, end = int(found[1]), int(found[2])
+    if not 1 <= start <= end:
+        raise ValueError(f"must be A:B with 1 <= A <= B, got {shown(text)}")
+    return start, end
+
+
+def step_range_problem(text: str) -> str | None:
+    """What is wrong with a step range (`step_range`), or None: a `check` for option()."""
+    try:
+        step_range(text)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 SCALARS = (bool, int, float, str)

@@ -33,6 +33,7 @@ from torch.utils.data import IterableDataset
 
 from . import distributed, joblock, logs, replicas, runfiles, tracking, watchdog
 from .batches import Batches, Progress, RunLength
+from .debugflags import DebugFlags
 from .distributed import DistEnv
 from .evaluate import evaluate
 from .hooks import UserCode
@@ -606,17 +607,19 @@ def train(cfg: Any, env: DistEnv) -> Summary:
         Trainer(cfg, env) as trainer,  # model, data, optimizer, snapshots: restored from the newest good snapshot
         StopRequest(env) as stop,
         progress_bar(env, trainer.total_steps, trainer.progress.step) as bar,
+        DebugFlags(cfg, env, trainer.model, trainer.progress) as flags,  # --break-at-step, --profile-steps, ...
     ):
         progress, snapshots = trainer.progress, trainer.snapshots
         while progress.step < trainer.total_steps and not stop.stopped:
             if not trainer.start_step(stop):  # --fault-tolerance torchft: the quorum of replica groups
                 break
-            trainer.forward_backward(next(trainer.batches))
+            trainer.forward_backward(flags.before_forward(next(trainer.batches)))
             # Between backward and the optimizer step, always: the save in flight must have copied the weights
             # before the optimizer changes them in place (a test fails when it moves).
             snapshots.wait_until_copied()
             if not trainer.optimizer_step():
                 continue  # a replica group failed during this step: it is dropped, and taken again with the same data
+            flags.after_step()  # before the snapshot: --check-replicas stops a run whose replicas drifted apart
             bar.update()
 
             if trainer.due(cfg.log_every):

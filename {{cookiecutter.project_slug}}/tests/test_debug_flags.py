@@ -1,0 +1,108 @@
+"""--break-at-step, --profile-steps and --check-replicas (README.md, "Find a bug"), each on a real 2-rank job."""
+
+import gzip
+import json
+import os
+import re
+
+import pytest
+import torch
+from conftest import (
+    QUICK,
+    ROOT,
+    assert_same_weights,
+    child_env,
+    default_config,
+    default_datasets,
+    logged_steps,
+    outputs,
+    run,
+    summary,
+    train_cmd,
+)
+
+from {{ cookiecutter.project_slug }} import config
+from {{ cookiecutter.project_slug }}.machinery.hooks import UserCode
+
+BREAK_AT = 5
+HOLD_S = 3  # how long the stand-in debugger holds its rank: longer than --dist-timeout, so the others must wait
+# tests/breakpoint_probe.py answers breakpoint(): it saves the frame's model and what its batch holds, then returns.
+STAND_IN_DEBUGGER = {
+    "PYTHONBREAKPOINT": "breakpoint_probe.record",
+    "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+    "BREAK_HOLD_S": HOLD_S,
+}
+
+
+@pytest.mark.parametrize("value", ["3", "4:2", "0:2", "a:b", "1:2:3", "-1:4", " : "])
+def test_a_bad_profile_range_is_one_line_before_torch_loads(capsys, value):
+    with pytest.raises(SystemExit) as stopped:
+        config.parse_args([f"--profile-steps={value}"])
+    assert stopped.value.code == 2
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--profile-steps" in last_line and repr(value) in last_line
+
+
+def test_a_good_profile_range_is_accepted():
+    assert config.parse_args(["--profile-steps", "3:3"]).profile_steps == "3:3"
+    assert config.parse_args([]).profile_steps == ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("debug_rank, stopped", [(None, {0, 1}), ("1", {1})])
+def test_break_at_step_stops_the_chosen_ranks_right_before_that_steps_forward(tmp_path, debug_rank, stopped):
+    records = tmp_path / "breaks"
+    records.mkdir()
+    extra = dict(STAND_IN_DEBUGGER, BREAK_RECORD_DIR=records)
+    if debug_rank is not None:
+        extra["DEBUG_RANK"] = debug_rank  # with --break-at-step: the ranks that stop, and no debugpy at start-up
+    args = ["--max-steps", "6", "--snapshot-every", "4", "--break-at-step", str(BREAK_AT), "--dist-timeout", "1"]
+    run(train_cmd(2) + QUICK + args + outputs(tmp_path), env=child_env(**extra))
+
+    assert {int(path.stem[4:]) for path in records.glob("rank*.json")} == stopped
+    # Step N is the one that makes the step count N: the frame's model holds the weights after step N - 1.
+    after_step_4 = torch.load(tmp_path / "run-snapshots" / "step-00000004" / "shared.pt", weights_only=True)["model"]
+    for rank in stopped:
+        record = json.loads((records / f"rank{rank}.json").read_text())
+        assert record["step"] == BREAK_AT
+        assert record["batch_tensors"] >= 1 and record["batch_devices"] == ["cpu"]
+        assert_same_weights(torch.load(records / f"model-rank{rank}.pt", weights_only=True), after_step_4)
+    assert summary(tmp_path)["steps"] == 6  # every rank went on after the stop, past a hold longer than the timeout
+
+
+def read_trace(path):
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt") as handle:
+        return json.load(handle)
+
+
+@pytest.mark.slow
+def test_profile_steps_traces_each_rank_and_check_replicas_passes_a_healthy_run(tmp_path):
+    args = ["--max-steps", "8", "--profile-steps", "3:4", "--check-replicas", "2"]
+    result = run(train_cmd(2) + QUICK + args + outputs(tmp_path))  # 4 checks, none of them a false alarm
+
+    traces = [path for path in (tmp_path / "profile").iterdir() if path.name.endswith((".json", ".json.gz"))]
+    for rank in (0, 1):
+        mine = [path for path in traces if f"rank{rank}" in path.name]
+        assert len(mine) == 1, traces
+        events = read_trace(mine[0])["traceEvents"]
+        # Steps 3 and 4 only: two optimizer steps in the trace (torch names each Optimizer.step#<class>.step).
+        optimizer_steps = [e for e in events if e.get("ph") == "X" and e["name"].startswith("Optimizer.step#")]
+        assert len(optimizer_steps) == 2, [e["name"] for e in optimizer_steps]
+    assert result.stdout.count("Self CPU time total") == 1, "rank 0 prints torch's table of the top operators"
+
+
+@pytest.mark.slow
+def test_check_replicas_stops_a_run_whose_replicas_drift_apart(tmp_path):
+    model = UserCode("{{ cookiecutter.project_slug }}").build_model(default_config(), default_datasets()[0])
+    tensor = list(model.state_dict())[-1]
+    fault = child_env(FAULT="desync_at_step", FAULT_RANK=1, FAULT_STEP=6, FAULT_TENSOR=tensor)
+    args = ["--max-steps", "30", "--check-replicas", "4", "--snapshot-every", "100"]
+    cmd = train_cmd(2, script="tests/fault_injection.py") + QUICK + args + outputs(tmp_path)
+    result = run(cmd, env=fault, check=False)
+
+    assert result.returncode != 0 and re.search(r"exitcode\s*:\s*2\b", result.stdout), result.stdout[-4000:]
+    named = [line for line in result.stdout.splitlines() if "ERROR" in line and tensor in line]
+    assert len(named) == 1 and re.search(r"\b1\b", named[0].split(tensor, 1)[1]), result.stdout[-4000:]
+    assert max(logged_steps(tmp_path)) == 5, "the run stops at the first check after the drift (step 8)"
+    assert not (tmp_path / "run-export" / "model.pt").exists()

@@ -1,0 +1,199 @@
+"""The debugging flags of train.py that act on the training loop: --break-at-step, --profile-steps, --check-replicas.
+
+`train()` calls `before_forward` once a step's batch is drawn and `after_step` once its optimizer step is done; with
+every flag off both return at once, so the loop costs what it did without them.
+
+- --break-at-step N: `breakpoint()` right before step N's forward, in `_break_here`, whose locals are `step`,
+  `batch` (the first micro-batch, on the device), `micro_batches` (all of them, on the device) and `model` (your
+  module, as build_model made it; sharded under fsdp). Every rank stops, or the ranks DEBUG_RANK names; then every
+  rank meets at a barrier, so the others wait there (with this flag, collectives wait a day: distributed.py).
+- --profile-steps A:B: torch.profiler from step A's forward to step B's optimizer step, on every rank; a Chrome
+  trace per rank into `<log dir>/profile/`, the top operators on rank 0's console, and on CUDA a memory snapshot
+  (pytorch.org/memory_viz). Outside A..B no profiler exists.
+- --check-replicas N: after every N-th optimizer step, two integer checksums of each tensor of the model's
+  state_dict, gathered from every rank in one all_gather: the bits of the replicas must be equal, since every rank
+  applies the same averaged gradients. A difference stops the run (RunError) naming the first tensor and the ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from . import debug, distributed
+from .batches import Progress, to_device
+from .distributed import DistEnv
+from .settings import RunError, flag, step_range
+
+log = logging.getLogger(__name__)
+INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a tensor's bits, per element
+TOP_OPERATORS = 10  # rows of rank 0's table
+
+
+def log_dir(log_file: str, rank: int) -> str:
+    """The folder of --log-file (this rank's, when the name holds {rank}); `logs` when --log-file is ''."""
+    if not log_file:
+        return "logs"
+    return os.path.dirname(os.path.abspath(log_file.replace("{rank}", str(rank))))
+
+
+class DebugFlags:
+    """--break-at-step, --profile-steps and --check-replicas for one run; use it as a context manager."""
+
+    def __init__(self, cfg: Any, env: DistEnv, model: nn.Module, progress: Progress):
+        self.env, self.model, self.progress = env, model, progress
+        self.break_at = cfg.break_at_step
+        self.check_every = cfg.check_replicas
+        self.profile_range = step_range(cfg.profile_steps)
+        self.profile_dir = os.path.join(log_dir(cfg.log_file, env.rank), "profile")
+        self._profiler: torch.profiler.profile | None = None
+        self._profiled = False  # once per run: a step taken again (a replica group's dropped step) is not traced twice
+
+    def before_forward(self, micro_batches: list) -> list:
+        """The step's micro-batches, once drawn: start the profiler at step A, stop in the debugger at step N."""
+        step = self.progress.step + 1  # the step about to run
+        if self.profile_range is not None and not self._profiled and self._profiler is None:
+            start, end = self.profile_range
+            if start <= step <= end:  # a run resumed inside A..B traces the steps left
+                self._start_profiler()
+        if step == self.break_at:
+            micro_batches = [to_device(batch, self.env.device) for batch in micro_batches]
+            if self._is_chosen():
+                debug.listen_at_break(self.env, step)  # DEBUG_RANK without PYTHONBREAKPOINT: debugpy answers
+                _break_here(step, micro_batches[0], micro_batches, self.model)
+            distributed.barrier(self.env)  # the ranks that did not stop wait here for those in the debugger
+        return micro_batches
+
+    def after_step(self) -> None:
+        """After an optimizer step: compare the replicas every N steps; end the trace at step B."""
+        step = self.progress.step
+        if self.check_every and step % self.check_every == 0:
+            check_replicas(self.env, self.model, step)
+        if self._profiler is not None:
+            self._profiler.step()
+            if self.profile_range is not None and step >= self.profile_range[1]:
+                self._stop_profiler(save=True)
+
+    def close(self) -> None:
+        """The end of the loop: a trace still running (the run ended or stopped inside A..B) is written as it is."""
+        if self._profiler is not None:
+            self._stop_profiler(save=True)
+
+    def __enter__(self) -> DebugFlags:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if kind is None:
+            self.close()
+        elif self._profiler is not None:  # a failed run: let the profiler go, write nothing
+            self._stop_profiler(save=False)
+
+    def _is_chosen(self) -> bool:
+        """Every rank breaks, or only those DEBUG_RANK names."""
+        value = os.environ.get("DEBUG_RANK")
+        return not value or self.env.rank in debug.chosen_ranks(value, self.env.world_size)
+
+    # -- the profiler ----------------------------------------------------------------------------------------
+
+    def _start_profiler(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.env.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True)
+        self._profiler.start()
+
+    def _stop_profiler(self, save: bool) -> None:
+        profiler, self._profiler = self._profiler, None
+        assert profiler is not None
+        self._profiled = True
+        profiler.stop()
+        cuda = self.env.device.type == "cuda"
+        if save:
+            os.makedirs(self.profile_dir, exist_ok=True)
+            trace = os.path.join(self.profile_dir, f"trace-rank{self.env.rank}.json")
+            profiler.export_chrome_trace(trace)
+            if cuda:
+                torch.cuda.memory._dump_snapshot(os.path.join(self.profile_dir, f"memory-rank{self.env.rank}.pickle"))
+            if self.env.is_main:
+                sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
+                table = profiler.key_averages().table(sort_by=sort_by, row_limit=TOP_OPERATORS)
+                start, end = self.profile_range or (0, 0)
+                log.info("profile of steps %d-%d (rank 0), top operators:\n%s", start, end, table)
+                log.info("traces (open in ui.perfetto.dev or chrome://tracing): %s", self.profile_dir)
+        if cuda:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def _break_here(step: int, batch: Any, micro_batches: list, model: nn.Module) -> None:
+    """--break-at-step: `step` is about to run its forward on `batch` (the first of `micro_batches`, all on the
+    device) through `model`. Look around, change what you like, then continue: every rank trains on from here."""
+    print(f"rank {os.environ.get('RANK', '0')}: breakpoint() before the forward of step {step}", file=sys.stderr)
+    breakpoint()  # PYTHONBREAKPOINT picks the debugger: F5's debugpy, pdb, ... (0 skips it)
+
+
+# -- --check-replicas ----------------------------------------------------------------------------------------
+
+
+def _left_out(model: nn.Module) -> set[str]:
+    """state_dict keys that differ across ranks by design: normalization statistics each rank updates from its own
+    batch in forward, which DDP and step.py replace with rank 0's at the next forward."""
+    names = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats:
+            names |= {f"{prefix}.{name}" if prefix else name for name in ("running_mean", "running_var")}
+    return names
+
+
+def checksums(model: nn.Module) -> tuple[list[str], torch.Tensor]:
+    """The state_dict keys compared, and for each two int64 checksums of its bits: their sum and the sum of their
+    squares (wrapping), exact and independent of the order of the additions. Sharded DTensors (fsdp) are left out:
+    each rank holds another shard."""
+    names, sums = [], []
+    left_out = _left_out(model)
+    for name, tensor in model.state_dict().items():
+        if name in left_out or not isinstance(tensor, torch.Tensor):
+            continue
+        if isinstance(tensor, DTensor):
+            if not all(placement.is_replicate() for placement in tensor.placements):
+                continue
+            tensor = tensor.to_local()
+        flat = tensor.detach().contiguous().view(-1)
+        if flat.dtype == torch.bool:
+            flat = flat.view(torch.uint8)
+        if flat.is_complex():
+            flat = torch.view_as_real(flat).view(-1)
+        bits = flat.view(INTEGER_OF_SIZE[flat.element_size()]).to(torch.int64)
+        names.append(name)
+        sums.append(torch.stack([bits.sum(), (bits * bits).sum()]))
+    if not sums:
+        return names, torch.zeros(0, 2, dtype=torch.int64)
+    return names, torch.stack(sums).cpu()
+
+
+def check_replicas(env: DistEnv, model: nn.Module, step: int) -> None:
+    """Every rank's checksums in one all_gather; a RunError on every rank alike when any differs from rank 0's."""
+    if not env.is_distributed:
+        return
+    names, local = checksums(model)
+    gathered = [torch.empty_like(local) for _ in range(env.world_size)]
+    dist.all_gather(gathered, local)
+    table = torch.stack(gathered)  # (rank, tensor, checksum)
+    differs = (table != table[0]).any(dim=2)  # (rank, tensor): unlike rank 0's
+    if not bool(differs.any()):
+        return
+    first = int(differs.any(dim=0).nonzero()[0])
+    others = [str(rank) for rank in range(env.world_size) if bool(differs[rank, first])]
+    ranks = f"rank {others[0]}" if len(others) == 1 else f"ranks {', '.join(others)}"
+    raise RunError(
+        f"{flag('check_replicas')}: after step {step}, {names[first]} on {ranks} differs from rank 0's: the "
+        f"replicas drifted apart (code that depends on the rank, or a tensor changed outside "
+        f"forward and backward); find where with {flag('break_at_step')} or a smaller {flag('check_replicas')}"
+    )
