@@ -89,6 +89,8 @@ def resolve(value, workspace, inputs=(), choose=None):
             return os.environ.get(name[4:], "")
         if name.startswith("input:") and name[6:] in declared:
             spec = declared[name[6:]]
+            if spec["type"] == "promptString":  # what the user types; the default stands in for it
+                return choose(spec) if choose else spec["default"]
             assert spec["type"] == "pickString", spec
             values = [option["value"] if isinstance(option, dict) else option for option in spec["options"]]
             chosen = choose(spec) if choose else spec.get("default", values[0])

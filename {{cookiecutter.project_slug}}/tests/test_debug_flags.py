@@ -20,6 +20,7 @@ from conftest import (
     summary,
     train_cmd,
 )
+from test_debug import configuration, launch_json, resolve
 
 from {{ cookiecutter.project_slug }} import config
 from {{ cookiecutter.project_slug }}.machinery.hooks import UserCode
@@ -46,6 +47,14 @@ def test_a_bad_profile_range_is_one_line_before_torch_loads(capsys, value):
 def test_a_good_profile_range_is_accepted():
     assert config.parse_args(["--profile-steps", "3:3"]).profile_steps == "3:3"
     assert config.parse_args([]).profile_steps == ""
+
+
+def test_launch_json_breaks_at_the_step_it_asks_for(tmp_path):
+    spec = configuration("Break at step...")
+    resolved = resolve(spec, tmp_path, launch_json()["inputs"], choose=lambda asked: "42")
+    assert (spec["module"], spec["subProcess"]) == ("torch.distributed.run", True)  # every rank under the debugger
+    train_args = resolved["args"][resolved["args"].index(str(tmp_path / "train.py")) + 1 :]
+    assert config.parse_args(train_args).break_at_step == 42
 
 
 @pytest.mark.slow
