@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 from conftest import (
+    EXACT,
     QUICK,
     ROOT,
     assert_same_weights,
@@ -115,3 +116,30 @@ def test_check_replicas_stops_a_run_whose_replicas_drift_apart(tmp_path):
     assert len(named) == 1 and re.search(r"\b1\b", named[0].split(tensor, 1)[1]), result.stdout[-4000:]
     assert max(logged_steps(tmp_path)) == 5, "the run stops at the first check after the drift (step 8)"
     assert not (tmp_path / "run-export" / "model.pt").exists()
+
+
+def files_and_bytes(folder):
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+@pytest.mark.slow
+def test_resume_from_replays_a_kept_step_bit_for_bit_and_leaves_the_original_run_alone(tmp_path):
+    command = train_cmd(2) + EXACT + ["--max-steps", "20"] + outputs(tmp_path)
+    run(command)
+    original = {name: files_and_bytes(tmp_path / name) for name in ("run-snapshots", "run-export")}
+    metrics_before = (tmp_path / "run-metrics.jsonl").read_bytes()
+
+    run(command + ["--resume-from", "10"])  # the run's own command, its metrics file included
+
+    assert {name: files_and_bytes(tmp_path / name) for name in original} == original
+    assert (tmp_path / "run-metrics.jsonl").read_bytes() == metrics_before
+    replay_summary = json.loads((tmp_path / "run-snapshots.replay-10" / "export" / "summary.json").read_text())
+    assert (replay_summary["resumed_from"], replay_summary["steps"]) == (10, 20)
+    replayed, ended = (
+        torch.load(tmp_path / folder / "step-00000020" / "shared.pt", weights_only=True)["model"]
+        for folder in ("run-snapshots.replay-10", "run-snapshots")
+    )
+    assert_same_weights(replayed, ended)
+
+    missing = run(train_cmd() + QUICK + ["--resume-from", "7"] + outputs(tmp_path), check=False)
+    assert missing.returncode == 2 and "--resume-from" in missing.stdout.strip().splitlines()[-1], missing.stdout

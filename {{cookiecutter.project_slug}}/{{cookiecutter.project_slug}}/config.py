@@ -118,6 +118,13 @@ class Config:
     )
 
     # Finding bugs (README.md, "Find a bug").
+    resume_from: int = option(
+        0,
+        "replay from the kept snapshot of this optimizer step in --snapshot-dir, into <snapshot-dir>.replay-<step> "
+        "(snapshots and export; metrics only to a --metrics-file of its own): the original run's files stay as "
+        "they are; 0 = off",
+        min=0,
+    )
     break_at_step: int = option(
         0,
         "call breakpoint() right before optimizer step N's forward (N counted from 1), with batch, model and step "

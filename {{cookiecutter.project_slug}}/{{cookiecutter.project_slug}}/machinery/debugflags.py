@@ -13,14 +13,24 @@ every flag off both return at once, so the loop costs what it did without them.
 - --check-replicas N: after every N-th optimizer step, two integer checksums of each tensor of the model's
   state_dict, gathered from every rank in one all_gather: the bits of the replicas must be equal, since every rank
   applies the same averaged gradients. A difference stops the run (RunError) naming the first tensor and the ranks.
+- --resume-from STEP: `replay_settings` copies the kept snapshot of STEP (and the run id) into a scratch snapshot
+  folder beside --snapshot-dir and points the run's snapshots and export there; the original run's folder, export
+  and metrics file are only read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import shutil
 import sys
 from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 import torch
 import torch.distributed as dist
@@ -31,6 +41,7 @@ from . import debug, distributed
 from .batches import Progress, to_device
 from .distributed import DistEnv
 from .settings import RunError, flag, step_range
+from .snapshot import RUN_FILE, list_steps, step_name
 
 log = logging.getLogger(__name__)
 INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a tensor's bits, per element
@@ -42,6 +53,61 @@ def log_dir(log_file: str, rank: int) -> str:
     if not log_file:
         return "logs"
     return os.path.dirname(os.path.abspath(log_file.replace("{rank}", str(rank))))
+
+
+def replay_settings(cfg: Any, env: DistEnv) -> Any:
+    """--resume-from STEP: the settings of a replay from the kept snapshot of STEP (`cfg` itself without it).
+
+    Rank 0 copies that snapshot and the run id into `<snapshot-dir>.replay-<step>` (made anew each time), which
+    becomes the run's snapshot folder, with `export/` in it; the run then resumes from it as from any snapshot, with
+    the command line's settings. The metrics file is kept only when it is not the original run's, and wandb is off:
+    the replay must not add to the original run's records."""
+    step = cfg.resume_from
+    if not step:
+        return cfg
+    original = os.path.abspath(cfg.snapshot_dir)
+    kept = list_steps(original)[0] if os.path.isdir(original) else []
+    if step not in kept:
+        raise RunError(
+            f"{flag('resume_from')} {step}: {original} keeps no snapshot of step {step} "
+            f"(it keeps {', '.join(map(str, sorted(kept))) or 'none'})"
+        )
+    scratch = f"{original}.replay-{step}"
+    if env.is_main:
+        shutil.rmtree(scratch, ignore_errors=True)
+        shutil.copytree(os.path.join(original, step_name(step)), os.path.join(scratch, step_name(step)))
+        if os.path.exists(os.path.join(original, RUN_FILE)):
+            shutil.copy2(os.path.join(original, RUN_FILE), scratch)
+    distributed.barrier(env)  # the copy is complete before any rank looks for a snapshot in it
+    metrics_file = cfg.metrics_file
+    if metrics_file and os.path.abspath(metrics_file) == _original_metrics_file(original):
+        metrics_file = ""
+    log.log(
+        logging.INFO if env.is_main else logging.DEBUG,
+        "replaying from the snapshot of step %d in %s: snapshots and export go to %s%s",
+        step,
+        original,
+        scratch,
+        f", metrics to {metrics_file}" if metrics_file else " (no metrics file: pass --metrics-file for one)",
+    )
+    return dataclasses.replace(
+        cfg,
+        snapshot_dir=scratch,
+        export_dir=os.path.join(scratch, "export"),
+        metrics_file=metrics_file,
+        wandb="disabled",
+        resume="auto",
+    )
+
+
+def _original_metrics_file(snapshot_dir: str) -> str | None:
+    """The metrics file of the run that trained into `snapshot_dir` (its config.toml, report.write_config)."""
+    try:
+        with open(os.path.join(snapshot_dir, "config.toml"), "rb") as handle:
+            written = tomllib.load(handle).get("metrics_file")
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    return os.path.abspath(written) if written else None
 
 
 class DebugFlags:

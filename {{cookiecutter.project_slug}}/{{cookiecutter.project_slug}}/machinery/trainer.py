@@ -33,7 +33,7 @@ from torch.utils.data import IterableDataset
 
 from . import distributed, joblock, logs, replicas, runfiles, tracking, watchdog
 from .batches import Batches, Progress, RunLength
-from .debugflags import DebugFlags
+from .debugflags import DebugFlags, replay_settings
 from .distributed import DistEnv
 from .evaluate import evaluate
 from .hooks import UserCode
@@ -603,6 +603,7 @@ class Trainer:
 
 def train(cfg: Any, env: DistEnv) -> Summary:
     """Train until --max-steps or --epochs; resume from the newest good snapshot in --snapshot-dir if there is one."""
+    cfg = replay_settings(cfg, env)  # --resume-from: a scratch copy of that snapshot is the run's snapshot folder
     with (
         Trainer(cfg, env) as trainer,  # model, data, optimizer, snapshots: restored from the newest good snapshot
         StopRequest(env) as stop,
