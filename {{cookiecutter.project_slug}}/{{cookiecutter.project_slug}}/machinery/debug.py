@@ -115,7 +115,7 @@ def wait_for_debugger(env, at_start: bool = True) -> bool:
                 flush=True,
             )
         return False
-    if at_start and _is_chosen(env) and not postmortem_requested():
+    if _is_chosen(env) and at_start and not postmortem_requested():  # a bad DEBUG_RANK fails here, at start
         _listen(env)
     return True
 

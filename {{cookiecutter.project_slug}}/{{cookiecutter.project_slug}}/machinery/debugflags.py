@@ -1,4 +1,4 @@
-"""The debugging flags of train.py that act on the training loop: --break-at-step, --profile-steps, --check-replicas.
+"""The debugging flags of train.py: --break-at-step, --profile-steps, --check-replicas and --resume-from.
 
 `train()` calls `before_forward` once a step's batch is drawn and `after_step` once its optimizer step is done; with
 every flag off both return at once, so the loop costs what it did without them.
