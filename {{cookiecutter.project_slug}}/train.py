@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> Summary:
 
 def run(cfg: config.Config) -> Summary:
     """Train with settings already parsed: set up this rank, train, tear down."""
-    from {{ cookiecutter.project_slug }}.machinery import debug, distributed, joblock, logs, replicas, stop, trainer
+    from {{ cookiecutter.project_slug }}.machinery import debug, distributed, faults, joblock, logs, replicas, stop, trainer
     from {{ cookiecutter.project_slug }}.machinery.snapshot import SnapshotError
     from {{ cookiecutter.project_slug }}.machinery.stream import StreamEnded
 
@@ -74,23 +74,39 @@ def run(cfg: config.Config) -> Summary:
         log.info("rank %d of %d, backend %s, device %s", env.rank, env.world_size, env.backend, env.device)
         summary = trainer.train(cfg, env)
         finished = True
+    except faults.Refused as exc:  # a value of the user's code refused on this rank: the others may not meet it
+        failed_here(env, faults.message(exc))
+        raise SystemExit(2) from None
     except config.RunError as exc:
         # Every rank meets the same problem: rank 0 says it, in one line, and each rank exits with code 2.
-        log.log(logging.ERROR if env.is_main else logging.DEBUG, "%s", exc)
+        log.log(logging.ERROR if env.is_main else logging.DEBUG, "%s", faults.message(exc))
         if env.is_main:
             record_cause(exc)
         raise SystemExit(2) from None
     except (SnapshotError, StreamEnded) as exc:  # this rank's own (a failed save, its stream's end): one line, tagged
-        log.error("%s", exc)
-        record_cause(exc)
+        failed_here(env, str(exc))
         raise SystemExit(2) from None
+    except faults.PeerFailed as exc:  # another rank failed, and every rank knows which
+        log.warning("stopped because %s; %s", exc, logs.restart_note())
+        faults.record(f"stopped because {exc}", peer=True)
+        raise SystemExit(1) from None
     except SystemExit:
         raise
     except BaseException as exc:
-        logs.log_failure(log, exc)  # tagged with this rank, then re-raised for torchrun to see
-        if logs.lost_peer(exc):  # not this rank's fault: no second traceback in torchrun's summary
+        if logs.lost_peer(exc):  # not this rank's fault: the rank that failed says why
+            peer = faults.failed_peer()
+            logs.log_failure(log, exc, peer=peer)
+            faults.record(f"stopped because {peer or 'it lost another rank'}", peer=True)
             raise SystemExit(1) from None
+        line = faults.describe(exc)  # the user's code raised: one line naming their function and line
+        logs.log_failure(log, exc, line=line)  # tagged with this rank, with the traceback once
+        if line is not None or isinstance(exc, Exception):
+            line = line or f"{type(exc).__name__}: {exc}".strip()
+            faults.announce(line, env.rank)
+            faults.record(line)  # torchrun's summary and launch() show this line, not the traceback again
         debug.post_mortem(env, exc)  # DEBUG_POSTMORTEM=1: wait for a debugger, stopped at the exception
+        if isinstance(exc, Exception):
+            raise SystemExit(1) from None
         raise
     finally:
         distributed.teardown(clean=finished)
@@ -99,12 +115,21 @@ def run(cfg: config.Config) -> Summary:
     return summary
 
 
+def failed_here(env, line: str) -> None:
+    """This rank's own failure, in one line: shown at ERROR, recorded for torchrun and launch(), and left for the
+    ranks that will lose this one (before the process group goes)."""
+    from {{ cookiecutter.project_slug }}.machinery import faults
+
+    log.error("%s", line)
+    faults.announce(line, env.rank)
+    faults.record(line)
+
+
 def record_cause(exc: BaseException) -> None:
     """Give torchrun (and launch()) the one-line cause of an exit with code 2, as record() does for a traceback."""
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    from {{ cookiecutter.project_slug }}.machinery import faults
 
-        ErrorHandler().record_exception(exc)
+    faults.record(f"{type(exc).__name__}: {faults.message(exc)}")
 
 
 if __name__ == "__main__":

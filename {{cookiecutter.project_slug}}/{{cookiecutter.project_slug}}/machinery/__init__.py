@@ -19,6 +19,7 @@ Your rooms are one level up: model.py, data.py and config.py (the seam: machiner
     launcher.py     launch(): torchrun's elastic agent started from Python (notebooks, scripts), output in the caller
     replicas.py     --fault-tolerance torchft: replica groups that train on while a failed one restarts (torchft)
     logs.py         rank-aware logging (one clean console, every rank's warnings)
+    faults.py       an error in your code, in one line naming your function and line, on the rank it happened on
     tracking.py     experiment tracking (wandb on rank 0, the metrics file), the run id
     runfiles.py     the files beside the snapshots belong to one run: path checks at start-up, the export folder
     joblock.py      one job per snapshot folder

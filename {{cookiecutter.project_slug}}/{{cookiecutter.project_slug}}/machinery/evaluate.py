@@ -14,13 +14,14 @@ import math
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, default_collate
+from torch.utils.data import DataLoader
 
 from . import distributed
 from .batches import to_device
 from .distributed import DistEnv
 from .hooks import UserCode
 from .parallel import Parallel
+from .settings import RunError
 from .snapshot import capture_rng, restore_rng
 
 COUNT = " count"  # the sums' count, kept beside them under a name no val_metrics key can take
@@ -53,7 +54,7 @@ def evaluate(val_data: Any, parallel: Parallel, user: UserCode, cfg: Any, env: D
             beat()
         if parallel.sharded:  # each forward gathers parameters from every rank, so every rank runs as many
             most = math.ceil(math.ceil(size / env.world_size) / cfg.batch_size)
-            spare = to_device((user.collate or default_collate)([val_data[0]]), env.device)
+            spare = to_device(user.collate([val_data[0]]), env.device)
             for _ in range(most - len(loader)):
                 user.step(model, spare)  # its result is not counted
     model.train()
@@ -63,6 +64,11 @@ def evaluate(val_data: Any, parallel: Parallel, user: UserCode, cfg: Any, env: D
     local = torch.stack([sums.get(name, torch.zeros((), dtype=torch.float64, device=env.device)) for name in names])
     totals = dict(zip(names, distributed.all_sum(env, local).tolist(), strict=True))
     count = totals.pop(COUNT)
+    if count <= 0:
+        raise RunError(
+            f"compute_loss in model.py returned a count of {count:g} over every validation batch of every rank: "
+            "val_loss would divide by it; return what each batch's loss sums over (e.g. its tokens) as 'count'"
+        )
     results = {"val_loss": totals.pop("loss") / count}
     results.update({f"val_{name}": total / count for name, total in sorted(totals.items())})
     return results, size

@@ -14,7 +14,14 @@
 | model.py | extra_state(cfg, model, optimizer) -> {name: part} | no              | model, optimizer, ... only        |
 
 A top-level function of model.py or data.py whose name is close to a hook's but not one (`build_optimiser`) is
-named in a warning at start-up: it would otherwise be ignored without a word.
+named in a warning at start-up: it would otherwise be ignored without a word; so is a val_metrics that compute_loss
+makes unused.
+
+Each hook is called through `Hook`: an exception it raises carries the hook's name (faults.py says it in one line
+with the user's own frame), and what the builders return is checked where it is made, in one line naming the hook.
+The first training step's kind (a mean, a sum with a count, or refused) is agreed by every rank before any
+collective of that step, so ranks that disagree are told at once instead of waiting for each other until
+--dist-timeout.
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ from typing import Any
 
 import torch
 
+from . import distributed
 from .batches import tensors_in
+from .faults import PeerFailed, Refused, tag
 from .settings import RunError
 
 log = logging.getLogger(__name__)
@@ -66,31 +75,69 @@ class StepResult:
         return self.loss.double() if self.is_sum else self.loss.double() * self.count
 
 
-class UserCode:
-    """model.py's and data.py's hooks, or their defaults; checked once, when the run starts."""
+class Hook:
+    """A user's function, called as it is: an exception it raises is tagged with the hook's name, and `check`, if
+    given, refuses what it returns in one line. A plain object, so a DataLoader worker can take it (collate)."""
 
-    def __init__(self, package: str):
+    def __init__(self, name: str, file: str, function: Callable, check: Callable[[Any], None] | None = None):
+        self.name, self.file, self.function, self.check = name, file, function, check
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            value = self.function(*args, **kwargs)
+        except Exception as exc:
+            tag(exc, self.name, self.file)
+            raise
+        if self.check is not None:
+            self.check(value)
+        return value
+
+
+# What the step of each kind is, as every rank tells the others at the first step.
+MEAN, TOKEN_WEIGHTED, REFUSED = 0, 1, 2
+KIND_NAMES = {MEAN: "a scalar tensor (a mean)", TOKEN_WEIGHTED: "a dict (a sum with a count)", REFUSED: "no loss"}
+
+
+class UserCode:
+    """model.py's and data.py's hooks, or their defaults; checked once, when the run starts.
+
+    `env` (the job's ranks): with it, the first training step's kind is agreed by every rank (see `step`).
+    """
+
+    def __init__(self, package: str, env: distributed.DistEnv | None = None):
         self.modules = {name: importlib.import_module(f"{package}.{name}") for name in HOOKS}
         for file, names in REQUIRED.items():
             for name in names:
                 if not callable(getattr(self.modules[file], name, None)):
                     raise RunError(f"{file}.py has no function {name}: the trainer needs it (see machinery/hooks.py)")
-        self.build_datasets = self._hook("data", "build_datasets")
-        self.collate: Callable[[list], Any] | None = self._hook("data", "collate")
-        self.build_model = self._hook("model", "build_model")
+        self.env, self._agreed = env, env is None
+        self.build_datasets = self._hook("data", "build_datasets", _check_datasets)
+        # torch's default collate when data.py has none, so items that do not stack are told in one line
+        self.collate: Callable[[list], Any] = self._hook("data", "collate") or Hook("collate", "data", _default_collate)
+        self.build_model = self._hook("model", "build_model", _check_model)
         self.loss_fn = self._hook("model", "loss_fn")
         self.val_metrics = self._hook("model", "val_metrics")
         self.compute_loss = self._hook("model", "compute_loss")
-        self.build_optimizer = self._hook("model", "build_optimizer")
-        self.build_scheduler = self._hook("model", "build_scheduler")
+        self.build_optimizer = self._hook("model", "build_optimizer", _check_optimizer)
+        self.build_scheduler = self._hook("model", "build_scheduler", _check_scheduler)
         self.shard_units = self._hook("model", "shard_units")
         self.extra_state = self._hook("model", "extra_state")
         if self.compute_loss is None and self.loss_fn is None:
             raise RunError("model.py has neither compute_loss(model, batch) nor loss_fn(outputs, targets): define one")
 
-    def _hook(self, file: str, name: str) -> Any:
+    def _hook(self, file: str, name: str, check: Callable[[Any], None] | None = None) -> Any:
         value = getattr(self.modules[file], name, None)
-        return value if callable(value) else None
+        return Hook(name, file, value, check) if callable(value) else None
+
+    def unused(self) -> list[str]:
+        """One line per hook that model.py defines but the trainer does not call."""
+        if self.compute_loss is not None and self.val_metrics is not None:
+            return [
+                "model.py defines both compute_loss and val_metrics: val_metrics is not used (compute_loss replaces "
+                "the step on (inputs, target), in evaluation too); return its sums as extra entries of compute_loss's "
+                "dict instead, each logged as val_<name>"
+            ]
+        return []
 
     def misspelled(self) -> list[str]:
         """One line per top-level function of model.py or data.py that looks like a misspelled hook."""
@@ -112,35 +159,96 @@ class UserCode:
         return lines
 
     def step(self, model: torch.nn.Module, batch: Any) -> StepResult:
-        """One batch's loss through compute_loss, or loss_fn on an (inputs, targets) pair; with val_metrics' sums."""
+        """One batch's loss through compute_loss, or loss_fn on an (inputs, targets) pair; with val_metrics' sums.
+
+        The first call in training mode agrees with the other ranks on the step's kind first (`_agree`).
+        """
+        if self._agreed or not model.training:
+            return self._step(model, batch)
+        self._agreed = True
+        try:
+            result = self._step(model, batch)
+        except Refused as refusal:
+            self._agree(REFUSED, refusal)
+            raise
+        self._agree(TOKEN_WEIGHTED if result.is_sum else MEAN, None)
+        return result
+
+    def _agree(self, kind: int, refusal: Refused | None) -> None:
+        """Every rank's kind of the first step. Ranks that differ are told now, in one line, instead of meeting in
+        different collectives (a sum's all-reduce, DDP's gradients) and waiting there until --dist-timeout.
+        A refusal on every rank becomes one agreed error; on some ranks only, the others stop naming them."""
+        assert self.env is not None
+        kinds = distributed.all_gather_int(self.env, kind)
+        if len(set(kinds)) == 1:
+            if refusal is not None:
+                raise RunError(str(refusal)) from None  # every rank refused alike: rank 0 says it
+            return
+        refused = [rank for rank, each in enumerate(kinds) if each == REFUSED]
+        if refused:
+            if refusal is not None:
+                return  # this rank's own: raised on by the caller
+            ranks = ", ".join(map(str, refused))
+            raise PeerFailed(f"rank {ranks} refused what {self._step_name()} returned at the first step")
+        by_kind = {
+            KIND_NAMES[each]: ", ".join(str(rank) for rank, other in enumerate(kinds) if other == each)
+            for each in sorted(set(kinds))
+        }
+        raise RunError(
+            "compute_loss in model.py returned "
+            + " and ".join(f"{name} on rank {ranks}" for name, ranks in by_kind.items())
+            + " at the first step: every rank must return the same kind, each step"
+        )
+
+    def _step_name(self) -> str:
+        return "compute_loss" if self.compute_loss is not None else "loss_fn"
+
+    def _step(self, model: torch.nn.Module, batch: Any) -> StepResult:
         if self.compute_loss is not None:
-            return _as_result(self.compute_loss(model, batch), batch)
+            result = _as_result(self.compute_loss(model, batch), batch)
+            self._check_trainable(model, result)
+            return result
         if not isinstance(batch, (list, tuple)) or len(batch) != 2:
-            raise RunError(
+            raise Refused(
                 f"the items of the training data are not (inputs, target) pairs (a batch is a "
                 f"{type(batch).__name__}): define compute_loss(model, batch) in model.py for other shapes"
             )
         inputs, targets = batch
+        size = _batch_size(targets)
         outputs = model(inputs)
-        count = torch.as_tensor(_batch_size(targets), dtype=torch.float64, device=_device_of(outputs, targets))
+        count = torch.as_tensor(size, dtype=torch.float64, device=_device_of(outputs, targets))
         mean = self.loss_fn(outputs, targets)
+        if not isinstance(mean, torch.Tensor) or mean.numel() != 1:
+            what = f"a tensor of shape {tuple(mean.shape)}" if isinstance(mean, torch.Tensor) else type(mean).__name__
+            raise Refused(f"loss_fn in model.py returned {what}: return the batch's mean loss, a scalar tensor")
         sums = {}
         if self.val_metrics is not None and not model.training:
             sums = _sums(self.val_metrics(outputs, targets))
-        return StepResult(loss=mean, count=count, sums=sums, is_sum=False)
+        result = StepResult(loss=mean.reshape(()), count=count, sums=sums, is_sum=False)
+        self._check_trainable(model, result)
+        return result
+
+    def _check_trainable(self, model: torch.nn.Module, result: StepResult) -> None:
+        """A training loss that backward cannot go through, told here rather than by autograd's RuntimeError."""
+        if model.training and torch.is_grad_enabled() and not result.loss.requires_grad:
+            raise Refused(
+                f"{self._step_name()} in model.py returned a loss that does not require grad: it was computed under "
+                "torch.no_grad() or inference_mode, detached, or made from .item() or a new tensor; compute it from "
+                "the model's outputs"
+            )
 
 
 def _as_result(value: Any, batch: Any) -> StepResult:
     """compute_loss's answer as a StepResult: a scalar mean (weighted by the batch's size), or {loss, count, ...}."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise RunError(f"compute_loss in model.py returned a tensor of shape {tuple(value.shape)}: return a scalar")
+            raise Refused(f"compute_loss in model.py returned a tensor of shape {tuple(value.shape)}: return a scalar")
         count = torch.as_tensor(_batch_size(batch), dtype=torch.float64, device=value.device)
         return StepResult(loss=value.reshape(()), count=count, sums={}, is_sum=False)
     if isinstance(value, dict) and "loss" in value and "count" in value:
         loss = value["loss"]
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise RunError("compute_loss in model.py returned a 'loss' that is not a scalar tensor: return its SUM")
+            raise Refused("compute_loss in model.py returned a 'loss' that is not a scalar tensor: return its SUM")
         count = torch.as_tensor(value["count"], dtype=torch.float64, device=loss.device).reshape(())
         sums = {}
         for name, total in value.items():
@@ -148,10 +256,10 @@ def _as_result(value: Any, batch: Any) -> StepResult:
                 continue
             total = torch.as_tensor(total, device=loss.device)
             if total.numel() != 1:
-                raise RunError(f"compute_loss in model.py returned {name!r} of shape {tuple(total.shape)}: not a sum")
+                raise Refused(f"compute_loss in model.py returned {name!r} of shape {tuple(total.shape)}: not a sum")
             sums[name] = total.reshape(())
         return StepResult(loss=loss.reshape(()), count=count, sums=sums, is_sum=True)
-    raise RunError(
+    raise Refused(
         f"compute_loss in model.py returned a {type(value).__name__}: return a scalar tensor (the batch's mean "
         "loss) or a dict with 'loss' (a SUM) and 'count' (what it sums over)"
     )
@@ -160,9 +268,9 @@ def _as_result(value: Any, batch: Any) -> StepResult:
 def _sums(value: Any) -> dict[str, torch.Tensor]:
     """val_metrics' answer as {name: scalar tensor}; one line naming val_metrics and the key otherwise."""
     if not isinstance(value, Mapping):
-        raise RunError(f"val_metrics in model.py returned a {type(value).__name__}: return a dict of per-batch SUMS")
+        raise Refused(f"val_metrics in model.py returned a {type(value).__name__}: return a dict of per-batch SUMS")
     if "loss" in value:
-        raise RunError("val_metrics in model.py returns 'loss': that name is val_loss's (from loss_fn); rename it")
+        raise Refused("val_metrics in model.py returns 'loss': that name is val_loss's (from loss_fn); rename it")
     sums = {}
     for name, total in value.items():
         try:
@@ -171,7 +279,7 @@ def _sums(value: Any) -> dict[str, torch.Tensor]:
             tensor = None
         if tensor is None or tensor.numel() != 1 or tensor.is_complex():
             what = f"of shape {tuple(tensor.shape)}" if tensor is not None else f"as a {type(total).__name__}"
-            raise RunError(
+            raise Refused(
                 f"val_metrics in model.py returned {name!r} {what}: each value must be one real number, the batch's "
                 "SUM (e.g. correct.sum())"
             )
@@ -183,7 +291,13 @@ def _batch_size(batch: Any) -> int:
     """The number of samples in a batch: the first dimension of its first tensor."""
     leaves = tensors_in(batch)
     if not leaves or leaves[0].dim() == 0:
-        raise RunError("a batch holds no tensor with a batch dimension: return a dict with 'count' from compute_loss")
+        raise Refused("a batch holds no tensor with a batch dimension: return a dict with 'count' from compute_loss")
+    if leaves[0].shape[0] == 0:
+        raise Refused(
+            "a batch of 0 items reached the step: collate(items) in data.py returned an empty batch (did it filter "
+            "out every item?); keep at least one item per batch, or return {'loss': ..., 'count': 0} from "
+            "compute_loss for a batch that has none"
+        )
     return int(leaves[0].shape[0])
 
 
@@ -192,3 +306,69 @@ def _device_of(*values: Any) -> torch.device:
         for leaf in tensors_in(value):
             return leaf.device
     return torch.device("cpu")
+
+
+# -- what the builders return, checked where it is made ----------------------------------------------------------
+
+
+def _check_datasets(value: Any) -> None:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        what = f"{len(value)} values" if isinstance(value, (tuple, list)) else f"a {type(value).__name__}"
+        raise RunError(f"build_datasets in data.py returned {what}: return (train, val), val may be None")
+    if isinstance(value[1], torch.utils.data.IterableDataset):
+        raise RunError(
+            "build_datasets in data.py returned a validation set that is an IterableDataset (a stream): evaluation "
+            "takes every validation item once by index, over the ranks; return a map-style dataset (len() and "
+            "dataset[i], e.g. a list of items) for validation, or None for no evaluation"
+        )
+
+
+def _check_model(value: Any) -> None:
+    if not isinstance(value, torch.nn.Module):
+        raise RunError(f"build_model in model.py returned a {type(value).__name__}: return the torch.nn.Module")
+
+
+def _check_optimizer(value: Any) -> None:
+    optimizers = value if isinstance(value, (list, tuple)) else [value]
+    if not optimizers or not all(isinstance(each, torch.optim.Optimizer) for each in optimizers):
+        raise RunError(
+            f"build_optimizer in model.py returned {_shown(value)}: return a torch.optim.Optimizer (param groups "
+            "allowed), or a list of them; delete build_optimizer for the default AdamW"
+        )
+
+
+def _check_scheduler(value: Any) -> None:
+    schedulers = value if isinstance(value, (list, tuple)) else [value]
+    for each in schedulers:
+        if isinstance(each, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise RunError(
+                "build_scheduler in model.py returned a ReduceLROnPlateau, which steps on a metric: the trainer "
+                "steps the schedule once per optimizer step, with no argument; return a schedule of the steps "
+                "(LambdaLR, OneCycleLR, CosineAnnealingLR, ...)"
+            )
+    if not schedulers or not all(isinstance(each, torch.optim.lr_scheduler.LRScheduler) for each in schedulers):
+        raise RunError(
+            f"build_scheduler in model.py returned {_shown(value)}: return a torch.optim.lr_scheduler.LRScheduler "
+            "of the optimizer it is given; delete build_scheduler for the default warmup and cosine decay"
+        )
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {', '.join(sorted({type(each).__name__ for each in value})) or 'nothing'}"
+    return f"a {type(value).__name__}"
+
+
+def _default_collate(items: list) -> Any:
+    """torch's default collate; items it cannot stack (tensors of different lengths) are told in one line."""
+    try:
+        return torch.utils.data.default_collate(items)
+    except RuntimeError as exc:
+        if "stack expects each tensor to be equal size" not in str(exc):
+            raise
+        raise Refused(
+            f"the items of a batch have different sizes ({exc}), and torch's default collate stacks them: write "
+            "collate(items) in data.py to make one batch of them (pad them to the longest, or cut them to one length)"
+        ) from None

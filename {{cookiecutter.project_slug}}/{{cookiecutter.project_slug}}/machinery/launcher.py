@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,8 @@ from . import warmstart
 from .settings import RunError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # train.py sits beside the package
+# One job at a time per process: a job swaps the process's streams and environment (threads share them)
+_RUNNING = threading.Lock()
 
 
 class TrainingFailed(RuntimeError):
@@ -66,7 +68,15 @@ def launch(
     by default it goes to a temporary folder, removed at the end, after it was shown.
     Returns None when `args` asked for --help.
     """
-    argv = shlex.split(args) if isinstance(args, str) else [str(arg) for arg in args]
+    if isinstance(args, str):
+        argv = shlex.split(args)
+    elif isinstance(args, Iterable) and not isinstance(args, (bytes, Mapping)):
+        argv = [str(arg) for arg in args]
+    else:
+        raise TypeError(
+            f"launch(args=...) takes train.py's flags as a list (['--max-steps', '200']) or as one string "
+            f"('--max-steps 200'), got {type(args).__name__} {args!r}"
+        )
     if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
         raise RunError(f"nproc_per_node must be a whole number >= 1, got {nproc_per_node!r}")
     if not isinstance(max_restarts, int) or max_restarts < 0:
@@ -98,6 +108,14 @@ def launch(
     )
     started = time.time()
     environment = {"OMP_NUM_THREADS": "1"} if nproc_per_node > 1 else {}  # as torchrun does
+    if not _RUNNING.acquire(blocking=False):
+        if log_dir is None:
+            shutil.rmtree(logs, ignore_errors=True)
+        raise RunError(
+            "launch() is already running a job in this process (called from another thread): a job takes over the "
+            "process's sys.stdout, sys.stderr and environment while it runs; wait for it to return, or start the "
+            "second job in another process"
+        )
     try:
         with _kept_signal_handlers(), _environment(environment), _shown(logs, config.run_id):
             elastic_launch(config, sys.executable)("-u", str(script), *argv)
@@ -112,6 +130,7 @@ def launch(
         raise TrainingFailed(cause, rank, exitcode) from None
     finally:
         warmstart.stop(os.getpid(), config.run_id)  # the agent was this process: the job's zygote stops with it
+        _RUNNING.release()
         if log_dir is None:
             shutil.rmtree(logs, ignore_errors=True)
     return _summary(Path(cfg.export_dir), started)
@@ -228,11 +247,11 @@ def _shown(log_dir: str, job: str) -> Iterator[None]:
 def _cause(exc: Any) -> tuple[int, int, str]:
     """(rank, exit code, one line) of the failure that explains the others.
 
-    A rank that failed on its own records its error (record() in train.py, also for a refused setting); ranks
-    stopped because of it, and ranks killed by a signal, record none. The earliest recorded error wins, then a
-    rank killed by a signal.
+    A rank that failed on its own records its error (train.py, also for a refused setting); ranks stopped because
+    of it record that they were (`peer`), and ranks killed by a signal record nothing. The earliest error of a
+    rank's own wins, then a rank killed by a signal, then what a rank stopped by another says.
     """
-    recorded = {rank: _message(f) for rank, f in exc.failures.items() if os.path.isfile(f.error_file)}
+    recorded = {rank: _message(f) for rank, f in exc.failures.items() if _recorded(f) == "own"}
     if recorded:
         rank = min(recorded, key=lambda r: (exc.failures[r].timestamp, r))
         return rank, exc.failures[rank].exitcode, recorded[rank]
@@ -242,8 +261,21 @@ def _cause(exc: Any) -> tuple[int, int, str]:
     if killed:
         rank = min(killed, key=lambda r: (killed[r].timestamp, r))
         return rank, killed[rank].exitcode, f"killed by {killed[rank].signal_name()}"
+    stopped = {rank: _message(f) for rank, f in exc.failures.items() if _recorded(f) == "peer"}
+    if stopped:
+        rank = min(stopped, key=lambda r: (exc.failures[r].timestamp, r))
+        return rank, exc.failures[rank].exitcode, stopped[rank]
     rank, failure = exc.get_first_failure()
     return rank, failure.exitcode, "failed without recording an error (its output above says why)"
+
+
+def _recorded(failure: Any) -> str:
+    """Whose error a failed rank recorded: "own", "peer" (it stopped because of another rank), or "" (none)."""
+    if not os.path.isfile(failure.error_file):
+        return ""
+    message = failure.message
+    extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
+    return "peer" if extra.get("peer") else "own"
 
 
 def _message(failure: Any) -> str:

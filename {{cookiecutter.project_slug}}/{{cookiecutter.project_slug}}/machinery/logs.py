@@ -155,7 +155,7 @@ def lost_peer(exc: BaseException) -> str | None:
     return None
 
 
-def _restart_note() -> str:
+def restart_note() -> str:
     """What happens next, from the variables torchrun gives its workers."""
     if "TORCHELASTIC_MAX_RESTARTS" not in os.environ:
         return "run the same command again to resume from the newest snapshot"
@@ -169,11 +169,12 @@ def _restart_note() -> str:
     )
 
 
-def log_failure(logger: logging.Logger, exc: BaseException) -> None:
+def log_failure(logger: logging.Logger, exc: BaseException, peer: str | None = None, line: str | None = None) -> None:
     """Log an exception that is about to end this rank: once, tagged with the rank.
 
-    A failure of this rank's own shows with its traceback. When the exception only says that another rank is
-    gone, one warning says so, and the traceback goes to DEBUG (`DEBUG_ALL_RANKS=1`, or a per-rank
+    A failure of this rank's own shows with its traceback, after `line` (what failed, in one line) when given.
+    When the exception only says that another rank is gone, one warning says so, naming `peer` (`rank N failed:
+    ...`, when that rank left word), and the traceback goes to DEBUG (`DEBUG_ALL_RANKS=1`, or a per-rank
     `--log-file 'logs/rank{rank}.log'`): the rank that died has its own error to show. Either way the
     interpreter does not print the traceback again.
     """
@@ -183,14 +184,17 @@ def log_failure(logger: logging.Logger, exc: BaseException) -> None:
     if type(exc).__name__ == "BdbQuit" and type(exc).__module__ == "bdb":
         logger.warning("stopped from the debugger (pdb: quit)")
     elif (reason := lost_peer(exc)) is not None:
-        logger.warning(
-            "lost another rank (%s): it stopped, crashed or was killed, so this rank stops too; %s",
-            reason,
-            _restart_note(),
-        )
+        if peer:
+            logger.warning("lost another rank (%s): %s; so this rank stops too; %s", reason, peer, restart_note())
+        else:
+            logger.warning(
+                "lost another rank (%s): it stopped, crashed or was killed, so this rank stops too; %s",
+                reason,
+                restart_note(),
+            )
         logger.debug("the error that told this rank", exc_info=exc)
     else:
-        logger.error("training failed", exc_info=exc)
+        logger.error("%s", line or "training failed", exc_info=exc)
     exc.__dict__["already_logged"] = True  # read by the excepthook below: this failure is on the console
 
 

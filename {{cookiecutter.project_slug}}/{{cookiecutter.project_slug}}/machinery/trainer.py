@@ -81,8 +81,8 @@ class Trainer:
     def __init__(self, cfg: Any, env: DistEnv):
         self.cfg, self.env = cfg, env
         runfiles.check_paths(cfg, env)  # before anything slow: a path that cannot be written is refused at once
-        self.user = UserCode(PACKAGE)
-        for line in self.user.misspelled():
+        self.user = UserCode(PACKAGE, env)
+        for line in self.user.misspelled() + self.user.unused():
             self._warn_once("%s", line)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.train_data, self.val_data = self.user.build_datasets(cfg)

@@ -1,0 +1,371 @@
+"""A user's bug reads as the user's bug: one line naming their function (and their line), on the rank where it
+happened, within seconds; the traceback once; torchrun's summary and launch() name that rank.
+
+Each mistake is made in a copy of this project (its model.py or data.py with a few lines added at the end), or
+against UserCode directly where no launch is needed to show it.
+"""
+
+import importlib
+import re
+import shutil
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from conftest import PACKAGE, QUICK, ROOT, child_env, outputs, run, train_cmd
+
+from {{ cookiecutter.project_slug }}.machinery.faults import Refused
+from {{ cookiecutter.project_slug }}.machinery.hooks import UserCode
+from {{ cookiecutter.project_slug }}.machinery.settings import RunError
+
+RECORD = re.compile(
+    r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR|CRITICAL) \[rank (\d+)\] [\w.]+: (.*)$", re.M
+)
+SHORT = QUICK + ["--max-steps", "6", "--batch-size", "8", "--eval-every", "0", "--snapshot-every", "100"]
+
+
+def records(text, level, rank=None):
+    """The messages of the console records of `level` (from `rank`, or any)."""
+    return [m.group(3) for m in RECORD.finditer(text) if m.group(1) == level and rank in (None, int(m.group(2)))]
+
+
+def project(tmp_path, model="", data=""):
+    """A copy of this project whose model.py and data.py end with `model` and `data` (later definitions win)."""
+    workspace = tmp_path / "project"
+    shutil.copytree(ROOT / PACKAGE, workspace / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "train.py", workspace / "train.py")
+    for name, extra in (("model.py", model), ("data.py", data)):
+        path = workspace / PACKAGE / name
+        path.write_text(path.read_text() + "\n\n" + textwrap.dedent(extra))
+    return workspace
+
+
+def line_of(workspace, file, text):
+    """The line number of `text` in the copy's `file`."""
+    lines = (workspace / PACKAGE / file).read_text().splitlines()
+    return next(number for number, line in enumerate(lines, 1) if text in line)
+
+
+def train_in(workspace, tmp_path, args, nproc=None, torchrun_args=(), timeout=300):
+    cmd = train_cmd(nproc, torchrun_args, script=str(workspace / "train.py")) + args + outputs(tmp_path)
+    return run(cmd, env=child_env(PYTHONPATH=workspace), cwd=workspace, check=False, timeout=timeout)
+
+
+# -- an exception in a hook, on one rank ---------------------------------------------------------------------------
+
+RAISES_ON_RANK_1 = """
+import os
+
+calls = [0]
+
+
+def compute_loss(model, batch):
+    inputs, targets = batch
+    calls[0] += 1
+    if os.environ.get("RANK") == "1" and calls[0] == 3:
+        targets = targets[:3]  # the user's bug: shapes that do not match
+    return F.cross_entropy(model(inputs), targets)
+"""
+
+
+@pytest.mark.slow
+def test_a_hook_that_raises_on_one_rank_is_one_line_there_and_torchruns_root_cause(tmp_path):
+    workspace = project(tmp_path, model=RAISES_ON_RANK_1)
+    line = line_of(workspace, "model.py", "return F.cross_entropy(model(inputs), targets)")
+    result = train_in(workspace, tmp_path, SHORT, nproc=2, torchrun_args=["--max-restarts=0"])
+    out = result.stdout
+    assert result.returncode != 0, out[-4000:]
+    (error,) = records(out, "ERROR", rank=1)
+    assert "compute_loss in model.py raised ValueError" in error and f"model.py:{line}" in error, error
+    assert not records(out, "ERROR", rank=0), "rank 0 only lost rank 1:\n" + out[-4000:]
+    assert any("rank 1 failed" in warning for warning in records(out, "WARNING", rank=0)), out[-4000:]
+    # The traceback once: the user's frame appears in one traceback, not again in torchrun's summary.
+    assert len(re.findall(rf'model\.py", line {line}, in compute_loss', out)) == 1, out[-6000:]
+    root_cause = out.split("Root Cause")[1]
+    assert re.search(r"rank\s*: 1 ", root_cause) and f"model.py:{line}" in root_cause, root_cause
+
+
+# -- a refusal on one rank, under launch() ---------------------------------------------------------------------------
+
+FLOAT_ON_RANK_1 = """
+import os
+
+
+def compute_loss(model, batch):
+    inputs, targets = batch
+    loss = F.cross_entropy(model(inputs), targets)
+    return loss.item() if os.environ.get("RANK") == "1" else loss
+"""
+
+LAUNCH = """
+from {package}.launch import launch, TrainingFailed
+try:
+    launch(nproc_per_node=2, args={args!r})
+except TrainingFailed as exc:
+    print("raised:", exc.rank, exc.cause)
+"""
+
+
+@pytest.mark.slow
+def test_what_the_trainer_refuses_on_one_rank_is_that_ranks_error_under_launch(tmp_path):
+    workspace = project(tmp_path, model=FLOAT_ON_RANK_1)
+    script = LAUNCH.format(package=PACKAGE, args=SHORT + outputs(tmp_path))
+    result = run([sys.executable, "-c", script], env=child_env(PYTHONPATH=workspace), cwd=workspace, check=False)
+    out = result.stdout
+    (raised,) = [line for line in out.splitlines() if line.startswith("raised:")]
+    assert raised.startswith("raised: 1 compute_loss in model.py returned a float"), out[-4000:]
+    (error,) = records(out, "ERROR", rank=1)
+    assert "compute_loss in model.py returned a float" in error
+    assert not records(out, "ERROR", rank=0), out[-4000:]
+    assert any("rank 1" in warning for warning in records(out, "WARNING", rank=0)), out[-4000:]
+
+
+# -- ranks that disagree on the step's kind --------------------------------------------------------------------------
+
+DICT_ON_RANK_0 = """
+import os
+
+
+def compute_loss(model, batch):
+    inputs, targets = batch
+    loss = F.cross_entropy(model(inputs), targets, reduction="sum")
+    if os.environ.get("RANK") == "0":
+        return {"loss": loss, "count": len(targets)}
+    return loss / len(targets)
+"""
+
+
+@pytest.mark.slow
+def test_ranks_that_disagree_on_the_kind_of_step_are_told_at_the_first_step_without_a_hang(tmp_path):
+    workspace = project(tmp_path, model=DICT_ON_RANK_0)
+    started = time.monotonic()
+    result = train_in(workspace, tmp_path, SHORT + ["--dist-timeout", "300"], nproc=2, timeout=200)
+    assert time.monotonic() - started < 90, "the ranks waited for each other in different collectives"
+    out = result.stdout
+    assert result.returncode != 0, out[-4000:]
+    (error,) = records(out, "ERROR")
+    assert "compute_loss" in error and "rank 0" in error and "rank 1" in error and "dict" in error, error
+    assert out.count("Traceback (most recent call last)") == 1, "torchrun's own only:\n" + out[-4000:]
+
+
+# -- a hook that raises in a DataLoader worker -----------------------------------------------------------------------
+
+COLLATE_RAISES = """
+batches = [0]  # in the worker process that calls it
+
+
+def collate(items):
+    batches[0] += 1
+    if batches[0] > 2:
+        raise ValueError("this batch is not what collate expected")
+    return torch.utils.data.default_collate(items)
+"""
+
+
+@pytest.mark.slow
+def test_collate_raising_in_a_dataloader_worker_is_one_line_naming_collate_and_its_line(tmp_path):
+    workspace = project(tmp_path, data=COLLATE_RAISES)
+    line = line_of(workspace, "data.py", 'raise ValueError("this batch')
+    result = train_in(workspace, tmp_path, SHORT + ["--num-workers", "1"])
+    out = result.stdout
+    assert result.returncode == 1, out[-4000:]
+    (error,) = records(out, "ERROR")
+    assert error.startswith("collate in data.py raised ValueError: this batch is not what collate expected"), error
+    assert f"data.py:{line}" in error, error
+
+
+# -- a count of 0 for the whole validation set, and compute_loss beside val_metrics ------------------------------------
+
+ZERO_COUNT = """
+def compute_loss(model, batch):
+    inputs, targets = batch
+    loss = F.cross_entropy(model(inputs), targets, reduction="sum")
+    return {"loss": loss, "count": len(targets) if model.training else 0}
+"""
+
+
+@pytest.mark.slow
+def test_a_validation_count_of_zero_is_one_line_and_an_unused_val_metrics_is_named(tmp_path):
+    workspace = project(tmp_path, model=ZERO_COUNT)
+    result = train_in(workspace, tmp_path, QUICK + ["--max-steps", "2", "--batch-size", "8", "--eval-every", "2"])
+    out = result.stdout
+    assert result.returncode == 2, out[-4000:]
+    (error,) = records(out, "ERROR")
+    assert "compute_loss" in error and "count" in error and "valid" in error, error
+    assert "Traceback" not in out, out[-4000:]
+    assert any("val_metrics" in warning and "not used" in warning for warning in records(out, "WARNING")), out
+
+
+# -- two launch() calls at once, and a bad args --------------------------------------------------------------------
+
+TWO_LAUNCHES = """
+import threading, time
+from {package}.launch import launch
+from {package}.machinery import launcher
+
+try:
+    launch(args=123)
+except TypeError as exc:
+    print("args:", exc)
+first = threading.Thread(target=launch, kwargs=dict(nproc_per_node=1, args={args!r}))
+first.start()
+while not launcher._RUNNING.locked():
+    time.sleep(0.01)
+started = time.monotonic()
+try:
+    launch(nproc_per_node=1, args={args!r})
+except Exception as exc:
+    print("second:", type(exc).__name__, round(time.monotonic() - started), exc)
+first.join()
+print("first done")
+"""
+
+
+@pytest.mark.slow
+def test_a_second_launch_while_one_runs_is_refused_in_one_line_and_args_must_be_flags(tmp_path):
+    script = TWO_LAUNCHES.format(package=PACKAGE, args=QUICK + ["--max-steps", "3"] + outputs(tmp_path))
+    result = run([sys.executable, "-c", script], env=child_env(), cwd=tmp_path)
+    out = result.stdout
+    (args,) = [line for line in out.splitlines() if line.startswith("args:")]
+    assert "args" in args[5:] and "int" in args and "list" in args, args
+    (second,) = [line for line in out.splitlines() if line.startswith("second:")]
+    assert second.startswith("second: RunError 0 ") and "already running" in second, out[-4000:]
+    assert "first done" in out
+
+
+# -- what the hooks return, checked where it is made (in process) ----------------------------------------------------
+
+MODEL = """
+import torch
+import torch.nn.functional as F
+
+
+def build_model(cfg, train):
+    return torch.nn.Linear(4, 3)
+
+
+def loss_fn(outputs, targets):
+    return F.cross_entropy(outputs, targets)
+"""
+DATA = """
+import torch
+
+
+def build_datasets(cfg):
+    return [(torch.randn(4), torch.tensor(0)) for _ in range(8)], None
+"""
+
+
+@pytest.fixture
+def user_code(tmp_path, monkeypatch):
+    """UserCode of a package made of MODEL and DATA plus the given lines."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    made = []
+
+    def make(model="", data=""):
+        package = tmp_path / f"userpkg{len(made)}"
+        package.mkdir()
+        (package / "__init__.py").write_text("")
+        (package / "model.py").write_text(MODEL + textwrap.dedent(model))
+        (package / "data.py").write_text(DATA + textwrap.dedent(data))
+        made.append(package.name)
+        importlib.invalidate_caches()
+        return UserCode(package.name)
+
+    yield make
+    for name in [m for m in sys.modules if m.startswith("userpkg")]:
+        del sys.modules[name]  # the next test's packages have the same names
+
+
+@pytest.mark.parametrize(
+    "returned, words",
+    [
+        ("None", ["build_optimizer", "None"]),
+        ("[torch.optim.SGD(model.parameters(), lr=0.1), 'adam']", ["build_optimizer", "list"]),
+        ("model.parameters()", ["build_optimizer", "generator"]),
+    ],
+)
+def test_build_optimizer_returning_no_optimizer_is_one_line(user_code, returned, words):
+    user = user_code(f"\ndef build_optimizer(cfg, model):\n    return {returned}\n")
+    with pytest.raises(RunError) as refused:
+        user.build_optimizer(None, torch.nn.Linear(2, 2))
+    assert all(word in str(refused.value) for word in words), refused.value
+    both = user_code("\ndef build_optimizer(cfg, model):\n    return [torch.optim.SGD(model.parameters(), lr=0.1)]\n")
+    assert isinstance(both.build_optimizer(None, torch.nn.Linear(2, 2)), list)  # a list of optimizers is allowed
+
+
+@pytest.mark.parametrize(
+    "returned, words",
+    [
+        ("torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)", ["build_scheduler", "ReduceLROnPlateau"]),
+        ("None", ["build_scheduler", "None"]),
+        ("optimizer", ["build_scheduler", "SGD"]),
+    ],
+)
+def test_build_scheduler_returning_what_the_loop_cannot_step_is_one_line(user_code, returned, words):
+    user = user_code(f"\ndef build_scheduler(cfg, optimizer, total_steps):\n    return {returned}\n")
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(RunError) as refused:
+        user.build_scheduler(None, optimizer, 10)
+    assert all(word in str(refused.value) for word in words), refused.value
+
+
+def test_a_stream_as_validation_data_is_refused_at_start_up(user_code):
+    user = user_code(
+        data="""
+        class Stream(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                return iter([])
+
+
+        def build_datasets(cfg):
+            return [(torch.randn(4), torch.tensor(0))] * 8, Stream()
+        """
+    )
+    with pytest.raises(RunError, match="build_datasets.*IterableDataset"):
+        user.build_datasets(None)
+
+
+def test_items_of_different_sizes_with_the_default_collate_ask_for_collate_in_data_py(user_code):
+    user = user_code()
+    with pytest.raises(Refused, match=r"collate\(items\) in data\.py"):
+        user.collate([torch.zeros(3), torch.zeros(5)])
+    assert user.collate([torch.zeros(3), torch.zeros(3)]).shape == (2, 3)
+
+
+def test_a_loss_without_grad_and_an_empty_batch_are_named_before_backward(user_code):
+    detached = user_code(
+        """
+        def compute_loss(model, batch):
+            inputs, targets = batch
+            with torch.no_grad():
+                return F.cross_entropy(model(inputs), targets)
+        """
+    )
+    model = torch.nn.Linear(4, 3)
+    batch = (torch.randn(2, 4), torch.tensor([0, 1]))
+    with pytest.raises(Refused, match="compute_loss.*does not require grad"):
+        detached.step(model, batch)
+    model.eval()
+    assert detached.step(model, batch).loss.shape == ()  # evaluation needs no grad
+    model.train()
+    with pytest.raises(Refused, match="0 items"):
+        user_code().step(model, (torch.randn(0, 4), torch.zeros(0, dtype=torch.long)))
+
+
+def test_compute_loss_beside_val_metrics_is_named_as_unused(user_code):
+    user = user_code(
+        """
+        def compute_loss(model, batch):
+            return model(batch[0]).mean()
+
+
+        def val_metrics(outputs, targets):
+            return {}
+        """
+    )
+    (line,) = user.unused()
+    assert "val_metrics" in line and "compute_loss" in line
+    assert user_code().unused() == []

@@ -1,0 +1,166 @@
+"""A user's bug reads as the user's bug: one line naming their function and line, on the rank where it happened.
+
+- A hook of model.py or data.py that raises (hooks.py tags the exception with the hook's name) is told in one
+  ERROR line, `compute_loss in model.py raised ValueError: ... (at pkg/model.py:60: <the line>)`, followed by the
+  traceback once. An exception that came through a DataLoader worker carries only the worker's traceback as text:
+  the user's frame is read from there.
+- `Refused`: a value of the user's code that the trainer refuses on this rank alone (what compute_loss returned,
+  an empty batch). Other ranks may not meet it, so this rank says it at ERROR; a plain RunError is met by every
+  rank alike and rank 0 says it.
+- `PeerFailed`: this rank stops because another one failed, and knows which.
+- The failing rank records its one line as torchrun's error file (torchrun's summary and launch() show it, not the
+  traceback again) and leaves it in the job's store, before it leaves the process group: a rank that then loses
+  it reads there which rank failed and why. A rank that stops because of another records that too, one second
+  later: torchrun names as the root cause the earliest record in whole seconds (ties go to the rank that exited
+  first, which may be the one that only lost its peer).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import socket
+import time
+import traceback
+from pathlib import Path
+
+from .settings import RunError
+
+HOOK_TAG = "user_hook"  # the attribute hooks.py sets on an exception raised in a hook: (hook, file)
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # model.py, data.py, config.py and anything else of the user's
+MACHINERY_DIR = Path(__file__).resolve().parent
+NOTICE_TIMEOUT = datetime.timedelta(seconds=2)
+_FRAME = re.compile(
+    r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)\n(?:\s{4,}(?P<code>\S.*))?', re.M
+)
+_WORKER = re.compile(r"^Caught (?P<type>\w+) in DataLoader worker process \d+\.\nOriginal Traceback", re.S)
+
+
+class Refused(RunError):
+    """A value of the user's code refused on this rank; other ranks may have met another value."""
+
+
+class PeerFailed(Exception):
+    """This rank stops because another rank failed (the one-line reason names it)."""
+
+
+def tag(exc: BaseException, hook: str, file: str) -> None:
+    """Mark `exc` as raised in `hook` of `file` (the innermost hook, if hooks call each other)."""
+    exc.__dict__.setdefault(HOOK_TAG, (hook, file))
+
+
+def _is_users(path: str) -> bool:
+    """A file of the user's package (model.py, data.py, ...), not of the machinery."""
+    try:
+        resolved = Path(path).resolve()
+    except (OSError, ValueError):
+        return False
+    return resolved.is_relative_to(PACKAGE_DIR) and not resolved.is_relative_to(MACHINERY_DIR)
+
+
+def _shown_path(path: str) -> str:
+    try:
+        return os.path.relpath(path)
+    except ValueError:
+        return path
+
+
+def describe(exc: BaseException) -> str | None:
+    """`<hook> in <file>.py raised <Type>: <message> (at <path>:<line>: <code>)` when `exc` came from the user's
+    code (a hook, or a frame of model.py, data.py, ...), else None."""
+    worker = _WORKER.match(str(exc))
+    if worker:  # re-raised from a DataLoader worker: the original traceback is the message's text
+        frames = [(m["path"], int(m["line"]), m["function"], m["code"] or "") for m in _FRAME.finditer(str(exc))]
+        kind = worker["type"]
+    else:
+        frames = [(f.filename, f.lineno or 0, f.name, f.line or "") for f in traceback.extract_tb(exc.__traceback__)]
+        kind = type(exc).__name__
+    text = message(exc)
+    users = [frame for frame in frames if _is_users(frame[0])]
+    hook, file = getattr(exc, HOOK_TAG, (None, None))
+    if hook is None:
+        if not users:
+            return None
+        hook, file = users[0][2], Path(users[0][0]).stem  # the outermost of the user's frames: what was called
+    text = text.strip().splitlines()[0] if text.strip() else ""
+    line = f"{hook} in {file}.py raised {kind}" + (f": {text}" if text else "")
+    if users:
+        path, number, _, code = users[-1]  # the deepest: where it happened
+        line += f" (at {_shown_path(path)}:{number}" + (f": {code.strip()})" if code.strip() else ")")
+    return line
+
+
+# -- telling torchrun, launch() and the other ranks ------------------------------------------------------------
+
+
+def record(line: str, peer: bool = False) -> None:
+    """Write this rank's one line as torchrun's error file (the layout of torch's ErrorHandler): torchrun's summary
+    and launch() show it, where record() would show the traceback a second time. `peer`: this rank stops because
+    of another one; its record is one second later, so the rank that failed first is the root cause."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    stamp = int(time.time()) + (1 if peer else 0)
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(stamp), "peer": peer}}}
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(data, handle)
+    except OSError:
+        pass  # torchrun then reports the exit code alone
+
+
+def message(exc: BaseException) -> str:
+    """The exception's text; for one re-raised from a DataLoader worker, the original's (without the traceback)."""
+    text = str(exc)
+    if _WORKER.match(text):
+        last = [line for line in text.rstrip().splitlines() if line and not line.startswith(" ")]
+        if last and ": " in last[-1]:
+            return last[-1].split(": ", 1)[1]
+    return text
+
+
+def _notice_key() -> str:
+    return f"ddp_template/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _store():
+    """A client of the job's store: torchrun's agent serves it (it outlives every rank), else rank 0."""
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    import torch.distributed as dist
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    try:  # a plain connect first: a store that is gone refuses it at once, where a TCPStore client retries for long
+        socket.create_connection((host, port), timeout=NOTICE_TIMEOUT.total_seconds()).close()
+        return dist.TCPStore(host, port, is_master=False, timeout=NOTICE_TIMEOUT)
+    except (RuntimeError, ValueError, OSError):
+        return None
+
+
+def announce(line: str, rank: int) -> None:
+    """Leave `rank failed: line` in the job's store for the ranks that will lose this one (the first rank wins)."""
+    store = _store()
+    if store is None:
+        return
+    try:
+        store.compare_set(_notice_key(), "", f"rank {rank} failed: {line}")
+    except (RuntimeError, ValueError, OSError):
+        pass
+
+
+def failed_peer() -> str | None:
+    """`rank N failed: ...` as the rank that failed first left it in the job's store, or None (it was killed)."""
+    store = _store()
+    if store is None:
+        return None
+    deadline = time.monotonic() + 1.0  # it writes before it leaves the process group: by now it is there
+    try:
+        while not store.check([_notice_key()]):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+        return store.get(_notice_key()).decode(errors="replace")
+    except (RuntimeError, ValueError, OSError):
+        return None
