@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> Summary:
 
 def run(cfg: config.Config) -> Summary:
     """Train with settings already parsed: set up this rank, train, tear down."""
-    from {{ cookiecutter.project_slug }}.machinery import debug, distributed, faults, joblock, logs, replicas, stop, trainer
+    from {{ cookiecutter.project_slug }}.machinery import debug, distributed, joblock, logs, replicas, stop, trainer
+    from {{ cookiecutter.project_slug }}.machinery import faults
     from {{ cookiecutter.project_slug }}.machinery.snapshot import SnapshotError
     from {{ cookiecutter.project_slug }}.machinery.stream import StreamEnded
 
@@ -98,16 +99,16 @@ def run(cfg: config.Config) -> Summary:
             logs.log_failure(log, exc, peer=peer)
             faults.record(f"stopped because {peer or 'it lost another rank'}", peer=True)
             raise SystemExit(1) from None
+        if not isinstance(exc, Exception) or type(exc).__name__ == "BdbQuit":  # Ctrl-C, a quit from pdb: one warning
+            logs.log_failure(log, exc)
+            raise
         line = faults.describe(exc)  # the user's code raised: one line naming their function and line
         logs.log_failure(log, exc, line=line)  # tagged with this rank, with the traceback once
-        if line is not None or isinstance(exc, Exception):
-            line = line or f"{type(exc).__name__}: {exc}".strip()
-            faults.announce(line, env.rank)
-            faults.record(line)  # torchrun's summary and launch() show this line, not the traceback again
+        line = line or f"{type(exc).__name__}: {exc}".strip()
+        faults.announce(line, env.rank)
+        faults.record(line)  # torchrun's summary and launch() show this line, not the traceback a second time
         debug.post_mortem(env, exc)  # DEBUG_POSTMORTEM=1: wait for a debugger, stopped at the exception
-        if isinstance(exc, Exception):
-            raise SystemExit(1) from None
-        raise
+        raise SystemExit(1) from None
     finally:
         distributed.teardown(clean=finished)
     if summary.stop_signal:
