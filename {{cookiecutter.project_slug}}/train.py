@@ -44,8 +44,7 @@ def main(argv: list[str] | None = None) -> Summary:
 
 def run(cfg: config.Config) -> Summary:
     """Train with settings already parsed: set up this rank, train, tear down."""
-    from {{ cookiecutter.project_slug }}.machinery import debug, distributed, joblock, logs, replicas, stop, trainer
-    from {{ cookiecutter.project_slug }}.machinery import faults
+    from {{ cookiecutter.project_slug }}.machinery import debug, distributed, faults, joblock, logs, replicas, stop, trainer
     from {{ cookiecutter.project_slug }}.machinery.snapshot import SnapshotError
     from {{ cookiecutter.project_slug }}.machinery.stream import StreamEnded
 
