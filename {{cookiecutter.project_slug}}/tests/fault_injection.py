@@ -3,7 +3,9 @@
 The fault is chosen by environment variables:
     FAULT=raise_at_step       rank FAULT_RANK raises at its FAULT_STEP-th optimizer step
     FAULT=nan_grad_at_step    rank FAULT_RANK's gradient of the model's first parameter turns NaN in the backward of
-                              its FAULT_STEP-th step (before the ranks average it), its loss still finite
+                              step FAULT_STEP (before the ranks average it), its loss still finite
+    FAULT=nan_output_at_step  rank FAULT_RANK's last module with parameters of its own outputs NaN in the forward of
+                              step FAULT_STEP (these two fire whenever the process trains that step: a replay too)
     FAULT=crash_in_save       rank FAULT_RANK is SIGKILLed halfway through writing FAULT_FILE ("rank" or
                               "manifest") of the snapshot of step FAULT_STEP, leaving a temp file behind
     FAULT=kill_after_commit   rank 0 is SIGKILLed right after it commits the snapshot of step FAULT_STEP
@@ -82,38 +84,35 @@ if FAULT == "raise_at_step" and RANK == FAULT_RANK:
 
     trainer.Trainer.optimizer_step = failing_step
 
-if FAULT == "nan_grad_at_step" and RANK == FAULT_RANK:
+if FAULT in ("nan_grad_at_step", "nan_output_at_step") and RANK == FAULT_RANK:
+    # Step FAULT_STEP each time this process trains it (a replay of it too); FAULT_ONCE: in one process only.
     original_forward_backward = trainer.Trainer.forward_backward
-    steps = [0]
+    fires = []  # [] undecided, [True] or [False] once step FAULT_STEP first comes
 
     def poisoned_forward_backward(self, *args, **kwargs):
-        steps[0] += 1
-        hook = None
-        if steps[0] == FAULT_STEP and should_fire():
-            hook = next(self.model.parameters()).register_hook(lambda grad: grad * float("nan"))
+        hooks = []
+        if self.progress.step + 1 == FAULT_STEP and (fires or fires.append(should_fire()) or fires)[0]:
+            if FAULT == "nan_grad_at_step":
+                hooks.append(next(self.model.parameters()).register_hook(lambda grad: grad * float("nan")))
+            else:
+                hooks.append(last_module_with_parameters(self.model).register_forward_hook(poison_output, prepend=True))
         try:
             return original_forward_backward(self, *args, **kwargs)
         finally:
-            if hook is not None:
+            for hook in hooks:
                 hook.remove()
 
     trainer.Trainer.forward_backward = poisoned_forward_backward
 
-if FAULT == "desync_at_step" and RANK == FAULT_RANK:
-    import torch
 
-    original_step = trainer.Trainer.optimizer_step
-    calls = [0]
+def last_module_with_parameters(model):
+    """The last module, in named_modules() order, that holds parameters of its own (nan_output_at_step's)."""
+    return [m for _, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))][-1]
 
-    def desyncing_step(self, *args, **kwargs):
-        stepped = original_step(self, *args, **kwargs)
-        calls[0] += 1
-        if calls[0] == FAULT_STEP and should_fire():
-            with torch.no_grad():
-                self.model.state_dict()[os.environ["FAULT_TENSOR"]].add_(1)
-        return stepped
 
-    trainer.Trainer.optimizer_step = desyncing_step
+def poison_output(module, inputs, output):
+    return output * float("nan")
+
 
 if FAULT == "crash_in_save" and RANK == FAULT_RANK:
     target = snapshot.MANIFEST if os.environ.get("FAULT_FILE") == "manifest" else snapshot.rank_file(RANK)

@@ -274,16 +274,27 @@ def test_a_loss_that_turns_nan_stops_the_run_before_a_snapshot_of_it(tmp_path):
     assert all(torch.isfinite(t).all() for t in newest["model"].values() if t.is_floating_point())
 
 
+def first_names():
+    """(the first parameter's name, the last module with parameters of its own): where tests/fault_injection.py's
+    nan_grad_at_step and nan_output_at_step put their NaN."""
+    network = model.build_model(config.parse_args([]), build_datasets(config.parse_args([]))[0])
+    owners = [name for name, m in network.named_modules() if any(True for _ in m.parameters(recurse=False))]
+    return next(name for name, _ in network.named_parameters()), owners[-1]
+
+
 @pytest.mark.slow
 def test_nan_gradients_with_a_finite_loss_never_reach_a_snapshot_and_a_rerun_resumes_before_them(tmp_path):
     """Rank 1's gradient turns NaN at step 20, a snapshot step, its loss finite: the run stops naming step 20, the
-    newest snapshot is step 10's and finite, and running the same command again (the fault fixed) resumes from it."""
+    first parameter whose gradient was NaN on rank 1 (found by replaying step 20 from the snapshot of step 10) and
+    the command that replays it; the newest snapshot is step 10's and finite, and running the same command again
+    (the fault fixed) resumes from it."""
     args = QUICK + ["--max-steps", "30", "--snapshot-every", "10", "--eval-every", "0"] + outputs(tmp_path)
     cmd = train_cmd(2, script="tests/fault_injection.py") + args
     fault = {"FAULT": "nan_grad_at_step", "FAULT_RANK": 1, "FAULT_STEP": 20, "FAULT_ONCE": tmp_path / "fired"}
     result = run(cmd, env=child_env(**fault), check=False)
     assert result.returncode != 0 and (tmp_path / "fired").exists(), result.stdout[-3000:]
-    assert re.search(r"\bstep 20\b", result.stdout), result.stdout[-3000:]
+    (line,) = {line for line in result.stdout.splitlines() if "ERROR" in line and re.search(r"\bstep 20\b", line)}
+    assert f"{first_names()[0]!r} on rank 1" in line and "--resume-from 10 --break-at-step 20" in line, line
     newest = load_latest(str(tmp_path / "run-snapshots"))
     assert newest["step"] == 10, "the snapshot of step 20 would hold NaN weights"
     assert all(torch.isfinite(t).all() for t in newest["model"].values() if t.is_floating_point())
@@ -292,6 +303,19 @@ def test_nan_gradients_with_a_finite_loss_never_reach_a_snapshot_and_a_rerun_res
     assert done["resumed_from"] == 10 and done["steps"] == 30
     weights = load_latest(str(tmp_path / "run-snapshots"))["model"]
     assert all(torch.isfinite(t).all() for t in weights.values() if t.is_floating_point())
+
+
+@pytest.mark.slow
+def test_a_nan_output_is_traced_to_its_module_and_rank(tmp_path):
+    """Rank 0's last module with parameters outputs NaN at step 17: the ERROR line names step 17, rank 0 and that
+    module (the replay from the snapshot of step 10 finds it), and the replay command."""
+    args = QUICK + ["--max-steps", "30", "--snapshot-every", "10", "--eval-every", "0"] + outputs(tmp_path)
+    fault = {"FAULT": "nan_output_at_step", "FAULT_RANK": 0, "FAULT_STEP": 17}
+    result = run(train_cmd(2, script="tests/fault_injection.py") + args, env=child_env(**fault), check=False)
+    assert result.returncode != 0, result.stdout[-3000:]
+    (line,) = {line for line in result.stdout.splitlines() if "ERROR" in line and re.search(r"\bstep 17\b", line)}
+    assert "rank 0" in line and f"{first_names()[1]!r} on rank 0" in line, line
+    assert "--resume-from 10 --break-at-step 17" in line, line
 
 
 # torch.compile: the wiring, with dynamo's eager backend (inductor's kernel compiler takes minutes on a small CPU).

@@ -31,7 +31,7 @@ import torch
 from torch.utils._pytree import tree_map
 from torch.utils.data import IterableDataset
 
-from . import distributed, joblock, logs, replicas, runfiles, tracking, watchdog
+from . import distributed, joblock, logs, nonfinite, replicas, runfiles, tracking, watchdog
 from .batches import Batches, Progress, RunLength
 from .debugflags import DebugFlags, replay_settings
 from .distributed import DistEnv
@@ -559,10 +559,16 @@ class Trainer:
                 f"the gradient is not finite at step {step} on every rank (averaged over the ranks; the loss was "
                 f"finite on every rank: a NaN or infinity arose in backward)"
             )
+        where = ""
+        replayed = nonfinite.replay(self, step) if self.replicas is None else None
+        if replayed is not None:
+            snapshot_step, origins = replayed
+            command = nonfinite.replay_command(self.env, snapshot_step, step)
+            where = f"; replayed from step {snapshot_step}, {nonfinite.describe(origins)}; to step into it: {command}"
         raise RunError(
-            f"{what}: the run stops, and no snapshot is saved from that step on (newest: step {self.last_saved}). "
-            f"Lower {flag('lr')}, set {flag('clip_grad')}, or check the data and the model; then run the same "
-            "command again to resume from that snapshot"
+            f"{what}{where}. The run stops, and no snapshot is saved from that step on (newest: step "
+            f"{self.last_saved}). Lower {flag('lr')}, set {flag('clip_grad')}, or check the data and the model; then "
+            "run the same command again to resume from that snapshot"
         )
 
     def _synced_loss(self) -> float:

@@ -1,0 +1,125 @@
+"""Where a NaN or infinity came from: the step that made it, trained again from the newest snapshot before it, with
+hooks that name the first module whose forward output, or else the first parameter whose gradient, was not finite.
+
+Exact resume makes the replay faithful: the same weights, data and random streams give the same numbers (CPU, the
+same number of ranks and threads). It runs only once a run has already failed, so a healthy run pays nothing for
+it. The replay trains in this process, on the run's own model, optimizer and data, whose state it first takes
+back from the snapshot; the run then stops, so nothing it trains is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import shlex
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import distributed
+from .batches import Batches, tensors_in
+from .distributed import DistEnv
+from .snapshot import restore_rng, step_name
+
+log = logging.getLogger(__name__)
+REPLAY_FLAGS = ("--resume-from", "--break-at-step")
+
+
+@dataclass
+class Origin:
+    """What the replay saw on one rank: the first module whose output and the first parameter whose own gradient
+    (before the ranks average it) were not finite, by qualified name; None where all were."""
+
+    module: str | None = None
+    parameter: str | None = None
+
+
+def replay(trainer: Any, bad_step: int) -> tuple[int, list[Origin]] | None:
+    """Every rank together: (the snapshot step the replay started from, each rank's Origin at `bad_step`), or None
+    when no snapshot before `bad_step` is kept (or the replay failed: the run's own error is the one to report)."""
+    try:
+        trainer.snapshots.wait()  # a save in flight is committed first: every rank sees the same newest snapshot
+        resumed = trainer.snapshots.resume()
+        if resumed is None or resumed["step"] >= bad_step or resumed.get("rank_state") is None:
+            return None
+        rng_state = trainer.state.restore(
+            resumed, os.path.join(trainer.snapshots.directory, step_name(resumed["step"]))
+        )
+        if isinstance(trainer.batches, Batches):
+            trainer.batches.restart()  # from the restored position (a stream's restarts with its restored place)
+        restore_rng(rng_state)  # last, as at any resume
+        progress = trainer.progress
+        while progress.step < bad_step - 1:
+            trainer.forward_backward(next(trainer.batches))
+            trainer.optimizer_step()
+        with watching(trainer.model) as origin:
+            trainer.forward_backward(next(trainer.batches))
+        return resumed["step"], distributed.all_gather_object(trainer.env, origin)
+    except Exception as exc:  # noqa: BLE001 - the replay only adds detail to an error that stops the run anyway
+        log.debug("replaying step %d to find where it turned non-finite failed: %r", bad_step, exc)
+        return None
+
+
+@contextlib.contextmanager
+def watching(model: nn.Module) -> Iterator[Origin]:
+    """Hooks on every module's output and every parameter's gradient, recording the first non-finite one of each."""
+    origin = Origin()
+
+    def output_hook(name: str, module: nn.Module, inputs: Any, output: Any) -> None:
+        if origin.module is None and not all_finite(output):
+            origin.module = name or "(the model's own forward)"
+
+    def gradient_hook(name: str, parameter: torch.Tensor) -> None:  # once the gradient is in .grad: after any
+        if origin.parameter is None and not all_finite(parameter.grad):  # other hook on it, before DDP averages it
+            origin.parameter = name
+
+    handles = [
+        module.register_forward_hook(functools.partial(output_hook, name)) for name, module in model.named_modules()
+    ]
+    handles += [
+        parameter.register_post_accumulate_grad_hook(functools.partial(gradient_hook, name))
+        for name, parameter in model.named_parameters()
+        if parameter.requires_grad
+    ]
+    try:
+        yield origin
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def all_finite(value: Any) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors_in(value) if t.is_floating_point())
+
+
+def describe(origins: list[Origin]) -> str:
+    """Where the replay saw it first, per rank: modules' outputs first, else parameters' gradients."""
+    modules = [f"module {o.module!r} on rank {rank}" for rank, o in enumerate(origins) if o.module is not None]
+    if modules:
+        return "the first non-finite forward output: " + ", ".join(modules)
+    parameters = [f"parameter {o.parameter!r} on rank {rank}" for rank, o in enumerate(origins) if o.parameter]
+    if parameters:
+        return "the first non-finite gradient (before the ranks average it): " + ", ".join(parameters)
+    return "the replay saw no non-finite output or gradient (not reproducible: data loading or threads differ?)"
+
+
+def replay_command(env: DistEnv, snapshot_step: int, bad_step: int) -> str:
+    """The run's own command, with the flags that replay `bad_step` from the snapshot and stop there."""
+    args, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif arg in REPLAY_FLAGS:
+            skip = True
+        elif not arg.startswith(tuple(f"{name}=" for name in REPLAY_FLAGS)):
+            args.append(arg)
+    script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
+    launcher = f"torchrun --standalone --nproc_per_node={env.world_size}" if env.is_distributed else "python"
+    replay_args = ["--resume-from", str(snapshot_step), "--break-at-step", str(bad_step)]
+    return f"{launcher} {shlex.join([script, *args, *replay_args])}"
