@@ -78,15 +78,22 @@ def rows_per_process(tmp_path, rank):
     return list(processes.values())
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_dataset_resumes_bitwise_and_its_export_loads_with_tied_weights(tmp_path, recipe, strategy):
-    model_module, _ = recipe("hf")
+def killed_run_ends_as_the_uninterrupted_one(tmp_path, model_module, strategy):
+    """The recipe trained uninterrupted and SIGKILLed (restarted by torchrun): bitwise the same weights, an export
+    that loads strictly with its weights still tied; returns the restarted run's summary."""
     resumed = sigkill_at_random_and_resume(tmp_path, RANKS, ARGS + ["--strategy", strategy], kill_after=KILL_AFTER)
     assert resumed["steps"] == STEPS and resumed["resumed_from"] >= 10, resumed
     reference = final_model(tmp_path / "reference-snapshots")["model"]
     assert_same_weights(reference, final_model(tmp_path / "run-snapshots")["model"])
     check_export_loads_strictly_with_tied_weights(model_module, tmp_path / "run-export", reference)
+    return resumed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_dataset_resumes_bitwise_and_its_export_loads_with_tied_weights(tmp_path, recipe, strategy):
+    model_module, _ = recipe("hf")
+    killed_run_ends_as_the_uninterrupted_one(tmp_path, model_module, strategy)
 
 
 @pytest.mark.slow
@@ -95,11 +102,7 @@ def test_a_split_stream_trains_every_item_of_each_split_once_in_order_and_resume
     tmp_path, recipe, monkeypatch, strategy
 ):
     model_module, data_module = recipe("hf-stream")
-    resumed = sigkill_at_random_and_resume(tmp_path, RANKS, ARGS + ["--strategy", strategy], kill_after=KILL_AFTER)
-    assert resumed["steps"] == STEPS and resumed["resumed_from"] >= 10, resumed
-    reference = final_model(tmp_path / "reference-snapshots")["model"]
-    assert_same_weights(reference, final_model(tmp_path / "run-snapshots")["model"])
-    check_export_loads_strictly_with_tied_weights(model_module, tmp_path / "run-export", reference)
+    resumed = killed_run_ends_as_the_uninterrupted_one(tmp_path, model_module, strategy)
     for rank in range(RANKS):
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("WORLD_SIZE", str(RANKS))

@@ -165,27 +165,23 @@ if os.environ.get("COUNT_ALLREDUCE"):
     if RANK == 0:
         atexit.register(lambda: print(f"gradient all-reduces: {calls[0]}", flush=True))
 
-if os.environ.get("SLOW_COPY"):
+
+def delayed(function, seconds):
+    """`function`, called `seconds` later each time."""
     import time
 
-    original_copy = writer._copy_to_cpu
+    def late(*args, **kwargs):
+        time.sleep(seconds)
+        return function(*args, **kwargs)
 
-    def slow_copy(*args, **kwargs):
-        time.sleep(float(os.environ["SLOW_COPY"]))
-        return original_copy(*args, **kwargs)
+    return late
 
-    writer._copy_to_cpu = slow_copy
+
+if os.environ.get("SLOW_COPY"):
+    writer._copy_to_cpu = delayed(writer._copy_to_cpu, float(os.environ["SLOW_COPY"]))
 
 if os.environ.get("SLOW_WRITE"):
-    import time
-
-    original_save_write = writer.write_atomic
-
-    def slow_write(*args, **kwargs):
-        time.sleep(float(os.environ["SLOW_WRITE"]))
-        return original_save_write(*args, **kwargs)
-
-    writer.write_atomic = slow_write
+    writer.write_atomic = delayed(writer.write_atomic, float(os.environ["SLOW_WRITE"]))
 
 if __name__ == "__main__":
     train.main(sys.argv[1:])
