@@ -16,7 +16,8 @@ def record():
     rank = os.environ.get("RANK", "0")
     folder = os.environ["BREAK_RECORD_DIR"]
     tensors = [leaf for leaf in tree_leaves(local.get("batch")) if isinstance(leaf, torch.Tensor)]
-    weights = {name: value.detach().cpu().clone() for name, value in local["model"].state_dict().items()}
+    # The parameters: buffers such as BatchNorm's statistics are each rank's own until the next forward
+    weights = {name: value.detach().cpu().clone() for name, value in local["model"].named_parameters()}
     torch.save(weights, f"{folder}/model-rank{rank}.pt")
     seen = {
         "step": local["step"],

@@ -114,6 +114,22 @@ def poison_output(module, inputs, output):
     return output * float("nan")
 
 
+if FAULT == "desync_at_step" and RANK == FAULT_RANK:
+    import torch
+
+    original_step = trainer.Trainer.optimizer_step
+    calls = [0]
+
+    def desyncing_step(self, *args, **kwargs):
+        stepped = original_step(self, *args, **kwargs)
+        calls[0] += 1
+        if calls[0] == FAULT_STEP and should_fire():
+            with torch.no_grad():
+                self.model.state_dict()[os.environ["FAULT_TENSOR"]].add_(1)
+        return stepped
+
+    trainer.Trainer.optimizer_step = desyncing_step
+
 if FAULT == "crash_in_save" and RANK == FAULT_RANK:
     target = snapshot.MANIFEST if os.environ.get("FAULT_FILE") == "manifest" else snapshot.rank_file(RANK)
     original_write = format.write_atomic

@@ -32,9 +32,9 @@ def default_optimizer(cfg: Any, model: nn.Module) -> torch.optim.Optimizer:
 class Optimizers(torch.optim.Optimizer):
     """Several optimizers as one (build_optimizer returned a list): stepped, zeroed, scaled and saved together.
 
-    Its param_groups are the optimizers' own group dicts, in order, so a scheduler built on it sets their learning
-    rates, and the gradient scaler unscales them all; hooks registered on it (register_step_post_hook, e.g. to
-    update an EMA) run after every optimizer has stepped."""
+    Its param_groups are the optimizers' own group dicts, in order (read anew each time), so a scheduler built on
+    it sets their learning rates, and the gradient scaler unscales them all; hooks registered on it
+    (register_step_post_hook, e.g. to update an EMA) run after every optimizer has stepped."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]):
         # Not Optimizer.__init__, which would make groups of its own: only the hooks' tables and the step wrapper
@@ -48,7 +48,11 @@ class Optimizers(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._patch_step_function()
-        self.param_groups = [group for optimizer in optimizers for group in optimizer.param_groups]
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        # Read anew each time: an optimizer's load_state_dict() replaces its group dicts
+        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
 
     @property  # type: ignore[override]  # a view of the optimizers' states, read-only
     def state(self) -> dict[Any, Any]:  # type: ignore[override]
