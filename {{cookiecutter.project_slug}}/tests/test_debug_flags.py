@@ -84,7 +84,8 @@ def test_break_at_step_stops_the_chosen_ranks_right_before_that_steps_forward(tm
 
 def inside(event, other):
     """Whether trace event `event` lies within `other` (another event of the same thread)."""
-    return other is not event and other["ts"] <= event["ts"] and event["ts"] + event["dur"] <= other["ts"] + other["dur"]
+    start, end = event["ts"], event["ts"] + event["dur"]
+    return other is not event and other["ts"] <= start and end <= other["ts"] + other["dur"]
 
 
 def read_trace(path):
