@@ -18,7 +18,6 @@ strings and containers of them. Under fsdp it is written with the model's shards
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Protocol
 
 import torch
@@ -133,12 +132,7 @@ class TrainState:
         tensors = [p.detach() for p in self._model().parameters()]
         for per_parameter in self._optimizer().state.values():
             tensors += [v for v in per_parameter.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
-        tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-        tensors = [t for t in tensors if t.numel() and t.is_floating_point()]
-        if not tensors:
-            return True
-        largest = torch.stack([norm.float() for norm in torch._foreach_norm(tensors, math.inf)])
-        return bool(torch.isfinite(largest).all())
+        return bool(all_finite(tensors))
 
     def restore(self, resumed: dict[str, Any], folder: str) -> dict[str, Any] | None:
         """Load a snapshot into every part but the random streams; return this rank's random streams (to restore
@@ -188,6 +182,17 @@ class TrainState:
 
     def _optimizer(self) -> torch.optim.Optimizer:
         return self.shared["optimizer"].optimizer  # type: ignore[attr-defined]
+
+
+def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A 0-dim bool tensor, on the tensors' device (no wait for it): whether none holds a NaN or an infinity. Each
+    tensor's sum carries a NaN or infinity on (a sum is 25x cheaper than a max of absolute values on CPU); a finite
+    sum beyond float32's range, 3e38, would read as infinite, far past any trained value."""
+    tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    sums = [t.sum(dtype=torch.float32) for t in tensors if t.numel() and t.is_floating_point()]
+    if not sums:
+        return torch.ones((), dtype=torch.bool)
+    return torch.isfinite(torch.stack(sums)).all()
 
 
 def checked_parts(parts: Any) -> dict[str, Stateful]:

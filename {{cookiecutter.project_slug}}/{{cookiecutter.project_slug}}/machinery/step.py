@@ -26,6 +26,7 @@ from .hooks import UserCode
 from .parallel import Parallel
 from .replicas import ReplicaGroup
 from .settings import RunError
+from .state import all_finite
 
 NONE = 2**62  # "no step": the first non-finite step when there is none
 
@@ -86,10 +87,10 @@ class Stepper:
             else:
                 step_loss += loss.detach()
         if token_weighted:
-            self._mark(self.first_bad_loss, sums[0])  # this rank's own sum, before it is averaged with the others'
+            self._mark(self.first_bad_loss, torch.isfinite(sums[0]))  # this rank's own, before the others' are added
             step_loss = self._token_weighted(sums).to(step_loss.dtype)
         else:
-            self._mark(self.first_bad_loss, step_loss)
+            self._mark(self.first_bad_loss, torch.isfinite(step_loss))
         self._step_loss = step_loss
         self.loss_sum += step_loss
 
@@ -122,9 +123,10 @@ class Stepper:
             norm = nn.utils.clip_grad_norm_(self.parallel.model.parameters(), self.cfg.clip_grad)
             self.grad_norm = norm.full_tensor() if isinstance(norm, DTensor) else norm  # fsdp: over every shard
             if not self.scaler.is_enabled():  # fp16's scaler skips the steps of non-finite gradients itself
-                self._mark(self.first_bad_grad, self.grad_norm)
+                self._mark(self.first_bad_grad, torch.isfinite(self.grad_norm))
         elif not self.scaler.is_enabled():
-            self._mark(self.first_bad_grad, _largest_gradient(self.parallel.model))
+            grads = [p.grad for p in self.parallel.model.parameters() if p.grad is not None]
+            self._mark(self.first_bad_grad, all_finite(grads))
         self.lr = self.optimizer.param_groups[0]["lr"]
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -134,9 +136,9 @@ class Stepper:
         self.loss_steps += 1
         return True
 
-    def _mark(self, first: torch.Tensor, value: torch.Tensor) -> None:
-        """Mark the step being trained in `first` if `value` is not finite and none was marked before."""
-        bad = ~torch.isfinite(value.detach()) & (first == NONE)
+    def _mark(self, first: torch.Tensor, finite: torch.Tensor) -> None:
+        """Mark the step being trained in `first` unless `finite` (a bool tensor) holds, or a step is marked."""
+        bad = ~finite.to(first.device) & (first == NONE)
         first.copy_(torch.where(bad, self.progress.step + 1, first))
 
     def first_nonfinite(self) -> tuple[int, list[int]] | None:
@@ -159,13 +161,3 @@ class Stepper:
     def reset_loss(self) -> None:
         self.loss_sum.zero_()
         self.loss_steps = 0
-
-
-def _largest_gradient(model: nn.Module) -> torch.Tensor:
-    """The largest absolute gradient of this rank's parameters (their shards, under fsdp): NaN if any is NaN."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    grads = [g for g in grads if g.numel()]  # an fsdp shard may be empty
-    if not grads:
-        return torch.zeros((), device=next(model.parameters()).device)
-    return torch.stack([norm.float() for norm in torch._foreach_norm(grads, math.inf)]).amax()
