@@ -146,6 +146,7 @@ class Trainer:
             distributed.barrier(env)  # every rank of the group is up before each starts watching the others
             self.replicas.watch_siblings()
         self._timer = time.perf_counter()
+        self._finite_at = -1  # the last step _check_finite found every loss and gradient so far finite
         # The random streams last, right before the first step, so nothing in between can draw from them.
         if rng_state is not None:
             restore_rng(rng_state)
@@ -380,8 +381,6 @@ class Trainer:
     def save_snapshot(self, blocking: bool = False) -> None:
         """Start writing a snapshot of this step in the background (snapshot/); refuse a diverged state."""
         self._check_finite()  # no snapshot of what a step with a NaN or infinite loss or gradient made
-        if self.stepper.loss_steps:
-            self._synced_loss()
         if not distributed.all_true(self.env, self.state.finite()):
             raise RunError(
                 f"the weights or the optimizer state are not finite at step {self.progress.step} (their gradients "
@@ -547,9 +546,13 @@ class Trainer:
 
     def _check_finite(self) -> None:
         """Stop the run (every rank at once) when a step so far had a NaN or infinite loss or gradient: the
-        weights it made are not saved, and the newest snapshot is from before it."""
+        weights it made are not saved, and the newest snapshot is from before it. Once a step (a step that both
+        logs and saves asks twice; every rank alike)."""
+        if self._finite_at == self.progress.step:
+            return
         found = self.stepper.first_nonfinite()
         if found is None:
+            self._finite_at = self.progress.step
             return
         step, ranks = found
         if ranks:
