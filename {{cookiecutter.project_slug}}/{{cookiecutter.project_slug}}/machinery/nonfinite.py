@@ -26,6 +26,7 @@ from . import distributed
 from .batches import Batches, tensors_in
 from .distributed import DistEnv
 from .snapshot import restore_rng, step_name
+from .state import all_finite
 
 log = logging.getLogger(__name__)
 REPLAY_FLAGS = ("--resume-from", "--break-at-step")
@@ -72,11 +73,12 @@ def watching(model: nn.Module) -> Iterator[Origin]:
     origin = Origin()
 
     def output_hook(name: str, module: nn.Module, inputs: Any, output: Any) -> None:
-        if origin.module is None and not all_finite(output):
+        if origin.module is None and not all_finite(tensors_in(output)):
             origin.module = name or "(the model's own forward)"
 
-    def gradient_hook(name: str, parameter: torch.Tensor) -> None:  # once the gradient is in .grad: after any
-        if origin.parameter is None and not all_finite(parameter.grad):  # other hook on it, before DDP averages it
+    def gradient_hook(name: str, parameter: torch.Tensor) -> None:
+        # Called once the gradient is in .grad: after any other hook on it, before DDP averages it
+        if origin.parameter is None and not all_finite(tensors_in(parameter.grad)):
             origin.parameter = name
 
     handles = [
@@ -92,10 +94,6 @@ def watching(model: nn.Module) -> Iterator[Origin]:
     finally:
         for handle in handles:
             handle.remove()
-
-
-def all_finite(value: Any) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors_in(value) if t.is_floating_point())
 
 
 def describe(origins: list[Origin]) -> str:
