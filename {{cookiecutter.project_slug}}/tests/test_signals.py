@@ -16,6 +16,27 @@ from conftest import finish, logged_steps, outputs, run, start, summary, train_c
 LONG = ["--wandb", "disabled", "--log-every", "5", "--max-steps", "3000", "--snapshot-every", "1000"]
 
 
+@pytest.mark.parametrize("under_torchrun", [False, True])
+def test_a_second_ctrl_c_interrupts_at_once_but_torchrun_s_copy_of_the_first_does_not(monkeypatch, under_torchrun):
+    from {{cookiecutter.project_slug}}.machinery.distributed import DistEnv
+    from {{cookiecutter.project_slug}}.machinery.stop import StopRequest
+
+    if under_torchrun:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    else:
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    with StopRequest(DistEnv()) as stop:
+        os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C: a stop at the next step
+        if under_torchrun:
+            time.sleep(1.1)  # torchrun forwards its own copy, seconds later on a loaded machine
+            os.kill(os.getpid(), signal.SIGINT)
+        assert stop.agreed()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C
+            time.sleep(1)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the handlers are given back"
+
+
 def snapshot_steps(tmp_path, name="run"):
     return sorted(int(p.parent.name[5:]) for p in (tmp_path / f"{name}-snapshots").glob("step-*/manifest.json"))
 

@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import time
 
 import torch
 import torch.distributed as dist
@@ -51,14 +50,19 @@ class StopRequest:
         self.stopped = False  # set on every rank at the same step once the ranks agree to stop
         self._pending = None
         self._flag = torch.zeros(1, dtype=torch.int64)
-        self._signalled_at = 0.0
+        self._interrupts = 0
+        # torchrun forwards each Ctrl-C it gets to its workers (on a loaded machine seconds later), so a worker under
+        # torchrun receives every Ctrl-C of a terminal twice: the user's second one is its third SIGINT.
+        self._interrupts_per_ctrl_c = 2 if "TORCHELASTIC_RUN_ID" in os.environ else 1
         self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
 
     def _handle(self, signum, frame):
-        # A second Ctrl-C stops at once, without a snapshot; not the copy torchrun forwards right after the first.
-        if signum == signal.SIGINT and self.signal and time.monotonic() - self._signalled_at > 1.0:
-            raise KeyboardInterrupt
-        self.signal, self._signalled_at = self.signal or signum, time.monotonic()
+        # A second Ctrl-C stops at once, without a snapshot; not the copy torchrun forwards of the first.
+        if signum == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts > self._interrupts_per_ctrl_c:
+                raise KeyboardInterrupt
+        self.signal = self.signal or signum
 
     def agreed(self) -> bool:
         """True on every rank at the same step, once any rank got the signal."""
