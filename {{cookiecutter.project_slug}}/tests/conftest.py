@@ -1,6 +1,8 @@
 """Helpers for tests that run the real thing: train.py in processes, under torchrun, on gloo."""
 
+import inspect
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -20,6 +22,56 @@ PACKAGE = "{{ cookiecutter.project_slug }}"
 QUICK = ["--wandb", "disabled", "--log-every", "5"]
 # Runs compared bit for bit: a snapshot every 10 steps, one thread per rank (the thread count is part of the numerics).
 EXACT = QUICK + ["--snapshot-every", "10", "--threads-per-rank", "1"]
+
+
+# The two tiers. A test that starts a process (torchrun, train.py, a notebook kernel, a debug adapter) is "slow";
+# every other test runs in this process, and `pytest -m "not slow"` runs those in seconds. The mark comes from what
+# the test does: the collection hook below follows the names each test, its fixtures and the helpers they call
+# refer to, and marks the test slow when one of them can start a process. A guard fails any other test that
+# starts one anyway, so the quick tier stays quick whatever a new test does.
+def _process_starters():
+    return {id(subprocess), id(multiprocessing), id(run), id(start), id(subprocess.Popen)}
+
+
+def _starts_processes(obj, starters, seen):
+    """Whether calling obj (a test, fixture or helper of these tests) can start a process."""
+    if id(obj) in seen:
+        return False
+    seen.add(id(obj))
+    if inspect.isclass(obj):
+        return any(_starts_processes(member, starters, seen) for member in vars(obj).values())
+    obj = inspect.unwrap(getattr(obj, "__func__", obj))
+    code = getattr(obj, "__code__", None)
+    if code is None or not str(code.co_filename).startswith(str(Path(__file__).parent)):
+        return False  # not a function of these tests: torch, the project and the standard library are followed no further
+    names, pending = set(), [code]
+    while pending:  # the function and the functions, lambdas and comprehensions defined inside it
+        current = pending.pop()
+        names.update(current.co_names)
+        pending.extend(const for const in current.co_consts if inspect.iscode(const))
+    found = [obj.__globals__[name] for name in names if name in obj.__globals__]
+    return any(id(value) in starters or _starts_processes(value, starters, seen) for value in found)
+
+
+def pytest_collection_modifyitems(items):
+    starters = _process_starters()
+    for item in items:
+        used = [item.obj] + [
+            definitions[-1].func for definitions in item._fixtureinfo.name2fixturedefs.values() if definitions
+        ]
+        if any(_starts_processes(obj, starters, {id(inspect.unwrap(_in_process_only))}) for obj in used):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _in_process_only(request, monkeypatch):
+    """A quick test that starts a process anyway fails at once, naming what it started."""
+    if request.node.get_closest_marker("slow") is None:
+
+        def refused(*args, **kwargs):
+            raise AssertionError(f"a quick test (not marked slow) started a process: {args[:1]}")
+
+        monkeypatch.setattr(subprocess, "Popen", refused)
 
 
 def child_env(**extra):
