@@ -27,7 +27,7 @@ FAST_OWN_TESTS = [
 ]
 OWN_MODEL = ROOT / "tests" / "own_model"
 OWN_LM = ROOT / "tests" / "own_lm"  # a transformer language model on a stream, with its own seam tests
-HF_RECIPE_TESTS = ROOT / "tests" / "own_hf" / "hf_recipe_tests.py"  # the README's recipes with transformers, datasets
+HF_RECIPE_TESTS = ROOT / "tests" / "own_hf" / "hf_recipe_tests.py"  # docs/recipes.md with transformers, datasets
 DEMO_BLOCK = re.compile(
     r"^[ \t]*# --- demo settings: delete them with the demo model and data ---\n"
     r".*?^[ \t]*# --- end of demo settings ---\n",
@@ -68,12 +68,17 @@ def assert_lint_clean(project):
 
 
 def assert_commands_aligned(project):
-    """In the README's code blocks and train.py's docstring, the comments of adjacent command lines start in one
-    column, whatever length the rendered answers (ports, rank counts, names) gave the commands."""
-    readme = (project / "README.md").read_text(encoding="utf-8").split("```")[1::2]  # the code blocks
+    """In the code blocks of the README and docs/ and in train.py's docstring, the comments of adjacent command lines
+    start in one column, whatever length the rendered answers (ports, rank counts, names) gave the commands."""
+    pages = [project / "README.md", *sorted((project / "docs").glob("*.md"))]
+    blocks = [
+        (str(page.relative_to(project)), block)
+        for page in pages
+        for block in page.read_text(encoding="utf-8").split("```")[1::2]  # the code blocks
+    ]
     docstring = (project / "train.py").read_text(encoding="utf-8").split('"""')[1]
     ragged = []
-    for where, block in [("README.md", block) for block in readme] + [("train.py", docstring)]:
+    for where, block in blocks + [("train.py", docstring)]:
         lines = block.splitlines()
         columns = [
             line.index("  # ") if "  # " in line and not line.lstrip().startswith("#") else None for line in lines
@@ -383,8 +388,8 @@ def test_a_transformer_lm_on_a_stream_passes_the_seam_tests(tmp_path):
 
 
 def test_the_hugging_face_recipes_resume_bitwise_under_ddp_and_fsdp(tmp_path):
-    """The baked README's recipes with the real libraries (a GPT-2 from a config with tied weights and dropout, a
-    datasets.Dataset and a datasets stream split per rank), SIGKILLed and resumed under ddp and fsdp."""
+    """The recipes of the baked docs/recipes.md with the real libraries (a GPT-2 from a config with tied weights and
+    dropout, a datasets.Dataset and a datasets stream split per rank), SIGKILLed and resumed under ddp and fsdp."""
     project = bake(tmp_path)
     shutil.copy(HF_RECIPE_TESTS, project / "tests" / "test_hf_recipes.py")
     result = run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_hf_recipes.py", timeout=900)

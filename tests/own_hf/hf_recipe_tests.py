@@ -1,9 +1,9 @@
-"""The README's Hugging Face recipes with the real libraries: a `transformers` GPT-2 built from a config (dropout on,
-its output layer tied to the token embedding) on a `datasets.Dataset`, and on a `datasets` stream shuffled and split
-per rank with `split_dataset_by_node`, under ddp and under `--strategy fsdp` without `shard_units`.
+"""The Hugging Face recipes of docs/recipes.md with the real libraries: a `transformers` GPT-2 built from a config
+(dropout on, its output layer tied to the token embedding) on a `datasets.Dataset`, and on a `datasets` stream shuffled
+and split per rank with `split_dataset_by_node`, under ddp and under `--strategy fsdp` without `shard_units`.
 
 The template tests copy this file, as tests/test_hf_recipes.py (its name here keeps the template's own pytest from
-collecting it outside a bake), into a bake and run it there. Each test trains the recipe as the README writes it,
+collecting it outside a bake), into a bake and run it there. Each test trains the recipe as docs/recipes.md writes it,
 uninterrupted and SIGKILLed at a random rank and moment (restarted by torchrun), and compares them bit for bit.
 """
 

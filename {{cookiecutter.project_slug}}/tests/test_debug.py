@@ -359,7 +359,7 @@ def test_debug_rank_all_stops_every_rank_and_a_rank_condition_stops_one(tmp_path
         ranks.add(session.evaluate("self.env.rank", frame["id"]))
     assert ranks == {"0", "1"}
 
-    # The README's conditional breakpoint: only rank 1 stops on the next line.
+    # The conditional breakpoint of docs/debugging.md: only rank 1 stops on the next line.
     for session in sessions:
         session.set_breakpoints(source, [second], condition='os.environ["RANK"] == "1"')
         session.request("continue", threadId=0)

@@ -1,4 +1,6 @@
-"""--break-at-step, --profile-steps and --check-replicas (README.md, "Find a bug"), each on a real 2-rank job."""
+"""--break-at-step, --profile-steps and --check-replicas (docs/debugging.md, "Find a bug"), each on a real 2-rank
+job.
+"""
 
 import gzip
 import json

@@ -1,4 +1,4 @@
-"""Debugging without VSCode, as README.md ("Debugging") tells it: pdb on one rank through
+"""Debugging without VSCode, as docs/debugging.md tells it: pdb on one rank through
 torch.distributed.breakpoint, a post-mortem stop at a rank's exception, and other debugpy clients (nvim-dap,
 Emacs dap-mode) attaching to a rank started with DEBUG_RANK.
 """
@@ -172,19 +172,20 @@ def test_post_mortem_stops_at_the_exception_then_the_job_fails(tmp_path, cleanup
     assert len(POSTMORTEM.findall(job.output())) == 1, "rank 0, which only lost rank 1, must not wait"
 
 
-# Other debugpy clients: what nvim-dap and Emacs dap-mode send, with the configurations README.md gives.
+# Other debugpy clients: what nvim-dap and Emacs dap-mode send, with the configurations docs/debugging.md gives.
 
 
-def readme_snippet(language):
-    text = (ROOT / "README.md").read_text()
-    blocks = re.findall(rf"```{language}\n(.*?)```", text, re.S)
-    assert len(blocks) == 1, f"README.md should have one ```{language} block, has {len(blocks)}"
+def docs_snippet(language):
+    """The one ```LANGUAGE block of the README and the docs (docs/debugging.md has them)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    blocks = [block for page in pages for block in re.findall(rf"```{language}\n(.*?)```", page.read_text(), re.S)]
+    assert len(blocks) == 1, f"README.md and docs/ should have one ```{language} block, have {len(blocks)}"
     return blocks[0]
 
 
 def nvim_dap_attach():
-    """The attach configuration of README.md's nvim-dap snippet (Lua), as nvim-dap sends it."""
-    lua = readme_snippet("lua")
+    """The attach configuration of docs/debugging.md's nvim-dap snippet (Lua), as nvim-dap sends it."""
+    lua = docs_snippet("lua")
     host = re.search(r'host\s*=\s*"([^"]+)"', lua).group(1)
     port = int(re.search(r"port\s*=\s*(\d+)", lua).group(1))
     return {
@@ -197,9 +198,9 @@ def nvim_dap_attach():
 
 
 def dap_mode_attach():
-    """The attach configuration of README.md's dap-mode snippet (Emacs Lisp), as dap-python turns it into a
+    """The attach configuration of docs/debugging.md's dap-mode snippet (Emacs Lisp), as dap-python turns it into a
     request: :connect becomes :host and :debugServer, and :args is added."""
-    elisp = readme_snippet("elisp")
+    elisp = docs_snippet("elisp")
     host = re.search(r':host\s+"([^"]+)"', elisp).group(1)
     port = int(re.search(r":port\s+(\d+)", elisp).group(1))
     return {

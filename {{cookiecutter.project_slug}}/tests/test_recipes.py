@@ -1,9 +1,10 @@
-"""The README's recipes for your own model and data (a nanoGPT-style LM, a Hugging Face causal LM on a Dataset and on
-a stream split per rank, a stream, optimizer groups with a schedule of your own, an EMA and a second optimizer) train
-and evaluate as written, in a copy of this project.
+"""The recipes of docs/recipes.md for your own model and data (a nanoGPT-style LM, a Hugging Face causal LM on a
+Dataset and on a stream split per rank, a stream, optimizer groups with a schedule of your own, an EMA and a second
+optimizer) train and evaluate as written, in a copy of this project.
 
-A recipe is the README's ```python blocks marked `<!-- recipe NAME: FILE -->`; `(with OTHER: FILE, ...)` in the
-mark takes those files of recipe OTHER first and adds this block after them.
+A recipe is the ```python blocks marked `<!-- recipe NAME: FILE -->` in README.md and docs/*.md (today all in
+docs/recipes.md); `(with OTHER: FILE, ...)` in the mark takes those files of recipe OTHER first and adds this block
+after them.
 """
 
 import re
@@ -16,21 +17,23 @@ MARK = re.compile(r"<!-- recipe ([\w-]+): ([\w.]+)(?: \(with ([\w-]+): ([\w., ]+
 
 
 def recipes():
-    """{name: {file: source}} from the README."""
+    """{name: {file: source}} from the README and the docs, in that order."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     found: dict[str, dict[str, str]] = {}
-    for name, file, other, other_files, code in MARK.findall((ROOT / "README.md").read_text(encoding="utf-8")):
-        files = found.setdefault(name, {})
-        if other:
-            for taken in (part.strip() for part in other_files.split(",")):
-                files[taken] = found[other][taken] + files.get(taken, "")
-        files[file] = files.get(file, "") + "\n\n" + code
+    for page in pages:
+        for name, file, other, other_files, code in MARK.findall(page.read_text(encoding="utf-8")):
+            files = found.setdefault(name, {})
+            if other:
+                for taken in (part.strip() for part in other_files.split(",")):
+                    files[taken] = found[other][taken] + files.get(taken, "")
+            files[file] = files.get(file, "") + "\n\n" + code
     return found
 
 
 RECIPES = recipes()
 
 
-def test_the_readme_has_the_six_recipes():
+def test_the_docs_have_the_six_recipes():
     assert set(RECIPES) == {"nanogpt", "hf", "hf-stream", "stream", "nanogpt-optim", "ema"}
     assert all(set(files) == {"model.py", "data.py"} for files in RECIPES.values())
 

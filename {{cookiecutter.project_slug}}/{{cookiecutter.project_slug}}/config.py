@@ -117,7 +117,7 @@ class Config:
         "which a bitwise resume on GPUs needs; slower, and an operation without one fails",
     )
 
-    # Finding bugs (README.md, "Find a bug").
+    # Finding bugs (docs/debugging.md, "Find a bug").
     resume_from: int = option(
         0,
         "replay from the kept snapshot of this optimizer step in --snapshot-dir, into <snapshot-dir>.replay-<step> "

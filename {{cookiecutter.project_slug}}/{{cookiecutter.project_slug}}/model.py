@@ -14,7 +14,7 @@
 Other shapes of training need no other file: `compute_loss(model, batch)` for dict batches and losses the model
 computes (token-weighted with `{"loss": SUM, "count": N}`), `build_optimizer(cfg, model)` and
 `build_scheduler(cfg, optimizer, total_steps)` for your own. machinery/hooks.py lists every hook and its default;
-the README has recipes (a GPT on token windows, a Hugging Face-style LM, a stream, optimizer groups).
+docs/recipes.md has recipes (a GPT on token windows, a Hugging Face-style LM, a stream, optimizer groups).
 """
 
 import torch
