@@ -2,7 +2,7 @@
 
 import inspect
 import json
-import multiprocessing
+import multiprocessing.process
 import os
 import random
 import signal
@@ -29,17 +29,22 @@ EXACT = QUICK + ["--snapshot-every", "10", "--threads-per-rank", "1"]
 # the test does: the collection hook below follows the names each test, its fixtures and the helpers they call
 # refer to, and marks the test slow when one of them can start a process. A guard fails any other test that
 # starts one anyway, so the quick tier stays quick whatever a new test does.
-def _process_starters():
-    return {id(subprocess), id(multiprocessing), id(run), id(start), id(subprocess.Popen)}
+# What starts processes: these modules and everything they hold (jupyter_client and nbclient start notebook kernels).
+STARTERS = ("subprocess", "multiprocessing", "torch.multiprocessing", "jupyter_client", "nbclient")
 
 
-def _starts_processes(obj, starters, seen):
+def _is_starter(value):
+    name = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", None)
+    return isinstance(name, str) and any(name == m or name.startswith(m + ".") for m in STARTERS)
+
+
+def _starts_processes(obj, seen):
     """Whether calling obj (a test, fixture or helper of these tests) can start a process."""
     if id(obj) in seen:
         return False
     seen.add(id(obj))
     if inspect.isclass(obj):
-        return any(_starts_processes(member, starters, seen) for member in vars(obj).values())
+        return any(_starts_processes(member, seen) for member in vars(obj).values())
     obj = inspect.unwrap(getattr(obj, "__func__", obj))
     code = getattr(obj, "__code__", None)
     if code is None or not str(code.co_filename).startswith(str(Path(__file__).parent)):
@@ -50,16 +55,15 @@ def _starts_processes(obj, starters, seen):
         names.update(current.co_names)
         pending.extend(const for const in current.co_consts if inspect.iscode(const))
     found = [obj.__globals__[name] for name in names if name in obj.__globals__]
-    return any(id(value) in starters or _starts_processes(value, starters, seen) for value in found)
+    return any(_is_starter(value) or _starts_processes(value, seen) for value in found)
 
 
 def pytest_collection_modifyitems(items):
-    starters = _process_starters()
     for item in items:
         used = [item.obj] + [
             definitions[-1].func for definitions in item._fixtureinfo.name2fixturedefs.values() if definitions
         ]
-        if any(_starts_processes(obj, starters, {id(inspect.unwrap(_in_process_only))}) for obj in used):
+        if any(_starts_processes(obj, {id(inspect.unwrap(_in_process_only))}) for obj in used):
             item.add_marker(pytest.mark.slow)
 
 
@@ -69,9 +73,18 @@ def _in_process_only(request, monkeypatch):
     if request.node.get_closest_marker("slow") is None:
 
         def refused(*args, **kwargs):
-            raise AssertionError(f"a quick test (not marked slow) started a process: {args[:1]}")
+            raise AssertionError(f"a quick test (not marked slow) started a process: {args[1:2]}")
 
-        monkeypatch.setattr(subprocess, "Popen", refused)
+        start_process = multiprocessing.process.BaseProcess.start
+
+        def data_loader_workers_only(process):  # a DataLoader's workers are part of the loader in this process
+            target = getattr(process, "_target", None)
+            if not getattr(target, "__module__", "").startswith("torch.utils.data"):
+                refused(process, target)
+            start_process(process)
+
+        monkeypatch.setattr(subprocess.Popen, "__init__", refused)
+        monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", data_loader_workers_only)
 
 
 def child_env(**extra):
