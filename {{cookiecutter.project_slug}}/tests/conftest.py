@@ -48,7 +48,7 @@ def _starts_processes(obj, seen):
     obj = inspect.unwrap(getattr(obj, "__func__", obj))
     code = getattr(obj, "__code__", None)
     if code is None or not str(code.co_filename).startswith(str(Path(__file__).parent)):
-        return False  # not a function of these tests: torch, the project and the standard library are followed no further
+        return False  # torch, the project and the standard library are followed no further
     names, pending = set(), [code]
     while pending:  # the function and the functions, lambdas and comprehensions defined inside it
         current = pending.pop()
