@@ -4,6 +4,7 @@ import inspect
 import json
 import multiprocessing.process
 import os
+import pty
 import random
 import signal
 import socket
@@ -30,7 +31,7 @@ EXACT = QUICK + ["--snapshot-every", "10", "--threads-per-rank", "1"]
 # refer to, and marks the test slow when one of them can start a process. A guard fails any other test that
 # starts one anyway, so the quick tier stays quick whatever a new test does.
 # What starts processes: these modules and everything they hold (jupyter_client and nbclient start notebook kernels).
-STARTERS = ("subprocess", "multiprocessing", "torch.multiprocessing", "jupyter_client", "nbclient")
+STARTERS = ("subprocess", "multiprocessing", "torch.multiprocessing", "pty", "jupyter_client", "nbclient")
 
 
 def _is_starter(value):
@@ -84,6 +85,7 @@ def _in_process_only(request, monkeypatch):
             start_process(process)
 
         monkeypatch.setattr(subprocess.Popen, "__init__", refused)
+        monkeypatch.setattr(pty, "fork", refused)
         monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", data_loader_workers_only)
 
 

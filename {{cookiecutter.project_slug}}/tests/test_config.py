@@ -27,7 +27,6 @@ CONTRACT_FLAGS = [
 ]
 
 
-@pytest.mark.slow
 def test_help_lists_every_contract_flag():
     result = run(train_cmd() + ["--help"])
     missing = [flag for flag in CONTRACT_FLAGS if flag not in result.stdout]
@@ -35,7 +34,6 @@ def test_help_lists_every_contract_flag():
     assert "{off,bf16,fp16}" in result.stdout and "{online,offline,disabled}" in result.stdout
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -53,7 +51,6 @@ def test_bad_values_are_refused_before_training(tmp_path, args, message):
     assert not (tmp_path / "run-snapshots").exists()
 
 
-@pytest.mark.slow
 def test_dataset_smaller_than_one_step_is_explained(tmp_path):
     train, _ = default_datasets()
     result = run(train_cmd() + QUICK + ["--batch-size", str(len(train) + 1)] + outputs(tmp_path), check=False)
@@ -64,7 +61,6 @@ def test_dataset_smaller_than_one_step_is_explained(tmp_path):
     assert not (tmp_path / "run-snapshots").exists() and not metrics(tmp_path), "nothing is trained or saved"
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA GPUs")
 def test_nccl_without_gpus_is_explained(tmp_path):
     result = run(train_cmd(nproc=1) + QUICK + ["--backend", "nccl"] + outputs(tmp_path), check=False)

@@ -303,7 +303,6 @@ def test_vscode_files_parse_and_every_variable_resolves(tmp_path):
 # Attach to chosen ranks (DEBUG_RANK).
 
 
-@pytest.mark.slow
 def test_attach_to_rank_2_of_3_outlives_the_collective_timeout(tmp_path, cleanup):
     source, line, _ = step_breakpoints()
     port, dist_timeout = free_port(3), 2  # rank 2 listens on port + 2
@@ -338,7 +337,6 @@ def test_attach_to_rank_2_of_3_outlives_the_collective_timeout(tmp_path, cleanup
     assert (done["world_size"], done["steps"]) == (3, 10)
 
 
-@pytest.mark.slow
 def test_debug_rank_all_stops_every_rank_and_a_rank_condition_stops_one(tmp_path, cleanup):
     source, line, second = step_breakpoints()
     port = free_port(2)  # rank 1 listens on the next one
@@ -373,7 +371,6 @@ def test_debug_rank_all_stops_every_rank_and_a_rank_condition_stops_one(tmp_path
     assert len(sessions[0].events("stopped")) == 1, "rank 0 must not stop where the condition is false"
 
 
-@pytest.mark.slow
 def test_listen_errors_name_the_port_and_rank(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -405,7 +402,6 @@ def test_listen_errors_name_the_port_and_rank(tmp_path):
     ), remote_out[-4000:]
 
 
-@pytest.mark.slow
 def test_without_debug_variables_debugpy_is_not_imported(tmp_path):
     code = "import sys, train; train.main(sys.argv[1:]); print('debugpy imported:', 'debugpy' in sys.modules)"
     result = run([sys.executable, "-c", code] + SHORT + outputs(tmp_path))
@@ -425,7 +421,6 @@ def run_task(spec, workspace, log, **env_overrides):
     return Job([resolved["command"]] + resolved["args"], env, log, cwd=options.get("cwd", workspace))
 
 
-@pytest.mark.slow
 def test_debug_rank_task_then_attach(tmp_path, cleanup):
     """One click on "Debug rank 1": the preLaunchTask starts torchrun, VSCode waits for its endsPattern, attaches."""
     workspace = workspace_copy(tmp_path)
@@ -471,7 +466,6 @@ def test_debug_rank_task_then_attach(tmp_path, cleanup):
     session.request("disconnect")
 
 
-@pytest.mark.slow
 def test_f5_stops_in_every_rank(tmp_path, cleanup):
     """F5 on "torchrun (F5)": the adapter launches torchrun; each worker arrives as a subprocess to attach to."""
     workspace = workspace_copy(tmp_path)

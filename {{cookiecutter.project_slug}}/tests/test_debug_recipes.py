@@ -103,7 +103,6 @@ train.main(sys.argv[1:])
 '''
 
 
-@pytest.mark.slow
 def test_distributed_breakpoint_takes_pdb_commands_from_the_terminal(tmp_path, cleanup):
     script = tmp_path / "train_with_breakpoint.py"
     script.write_text(BREAKING_TRAIN.format(root=str(ROOT)))
@@ -130,7 +129,6 @@ def test_distributed_breakpoint_takes_pdb_commands_from_the_terminal(tmp_path, c
 POSTMORTEM = re.compile(r"^rank (\d+) waiting for debugger on (\S+):(\d+) \(post-mortem\)$", re.M)
 
 
-@pytest.mark.slow
 def test_post_mortem_stops_at_the_exception_then_the_job_fails(tmp_path, cleanup):
     port = free_port() - 1  # rank 1 listens on DEBUG_PORT + 1: a port just seen free
     env = child_env(
@@ -242,7 +240,6 @@ def pause_and_read_rank(session):
     return rank
 
 
-@pytest.mark.slow
 def test_nvim_dap_and_dap_mode_attach_with_the_readme_configurations(tmp_path, cleanup):
     configs = {"nvim-dap": nvim_dap_attach(), "dap-mode": dap_mode_attach()}
     assert nvim_dap_attach()["connect"]["port"] == dap_mode_attach()["debugServer"] == baked.DEBUG_PORT

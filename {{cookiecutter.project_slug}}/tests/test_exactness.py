@@ -3,7 +3,6 @@ ranks too (gloo's ring sums in another order from 3 ranks on), and a job resumed
 the run's length and schedule in samples.
 """
 
-import pytest
 from conftest import (
     EXACT,
     assert_same_weights,
@@ -21,7 +20,6 @@ STEPS = 60
 ARGS = EXACT + ["--max-steps", str(STEPS)]
 
 
-@pytest.mark.slow
 def test_sigkill_at_a_random_moment_ends_bitwise_equal_with_4_ranks(tmp_path):
     """DDP's gradient buckets are settled before the first resumed step (gloo's ring sums in bucket order)."""
     resumed = sigkill_at_random_and_resume(tmp_path, 4, ARGS)
@@ -30,7 +28,6 @@ def test_sigkill_at_a_random_moment_ends_bitwise_equal_with_4_ranks(tmp_path):
     assert_same_weights(reference["model"], final_model(tmp_path / "run-snapshots")["model"])
 
 
-@pytest.mark.slow
 def test_world_size_1_then_2_then_1_keeps_the_run_length_and_schedule_in_samples(tmp_path):
     """60 steps of 32 samples on one process, interrupted twice and continued on 2 ranks in between."""
     from {{ cookiecutter.project_slug }} import config

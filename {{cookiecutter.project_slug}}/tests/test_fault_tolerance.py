@@ -110,7 +110,6 @@ def processes_naming(text):
     return found
 
 
-@pytest.mark.slow
 def test_sigkilled_workers_are_restarted_and_the_job_ends_bitwise_equal(tmp_path, reference_runs):
     """Rank 1 is SIGKILLed after the first snapshot, then rank 0 in the restarted attempt: each restart recovers."""
     reference = reference_runs(ARGS)
@@ -147,7 +146,6 @@ def test_sigkilled_workers_are_restarted_and_the_job_ends_bitwise_equal(tmp_path
     wait_for(lambda: not processes_naming(tmp_path) and not processes_naming(zygote), timeout=10, what="nothing left")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("rank, where", [(1, "rank"), (0, "manifest")])
 def test_crash_inside_a_save_resumes_from_the_previous_snapshot(tmp_path, reference_runs, rank, where):
     reference = reference_runs(ARGS)
@@ -164,7 +162,6 @@ def test_crash_inside_a_save_resumes_from_the_previous_snapshot(tmp_path, refere
     assert_same_weights(reference["model"], final_model(tmp_path / "run-snapshots")["model"])
 
 
-@pytest.mark.slow
 def test_a_ranks_error_while_a_snapshot_is_written_does_not_lose_it(tmp_path, reference_runs):
     """Rank 1 raises two steps after the snapshot of step 40, while its files are still being written (each file
     1 s late): the failing rank and the others let it commit before they exit, so the restart resumes from it."""
@@ -177,7 +174,6 @@ def test_a_ranks_error_while_a_snapshot_is_written_does_not_lose_it(tmp_path, re
     assert_same_weights(reference["model"], final_model(tmp_path / "run-snapshots")["model"])
 
 
-@pytest.mark.slow
 def test_resume_without_the_random_streams_ends_with_other_weights(tmp_path, reference_runs):
     """The negative control of the exact resumes above (the crash inside the step-60 save resumes from step 40 too):
     the same resume from step 40, without the random streams restored, ends with other weights."""
@@ -193,7 +189,6 @@ def test_resume_without_the_random_streams_ends_with_other_weights(tmp_path, ref
     assert any(not torch.equal(reference["model"][k], weights[k]) for k in weights)
 
 
-@pytest.mark.slow
 def test_a_snapshot_holds_its_steps_weights_when_its_copy_is_slow(tmp_path):
     """train() waits for the save in flight to copy the state (wait_until_copied) before the optimizer changes the
     weights: with every copy off the training thread starting 0.3 s late, the step-20 snapshot still holds step
@@ -209,7 +204,6 @@ def test_a_snapshot_holds_its_steps_weights_when_its_copy_is_slow(tmp_path):
     assert_same_weights(at_step_20[0]["model"], at_step_20[1]["model"])
 
 
-@pytest.mark.slow
 def test_damaged_snapshots_are_skipped_and_all_damaged_is_a_clean_error(tmp_path):
     cmd = train_cmd(2) + QUICK + ["--max-steps", "60", "--snapshot-every", "20"] + outputs(tmp_path)
     run(cmd)
@@ -241,7 +235,6 @@ def test_damaged_snapshots_are_skipped_and_all_damaged_is_a_clean_error(tmp_path
     assert not (tmp_path / "run-export" / "summary.json").exists(), "nothing was trained"
 
 
-@pytest.mark.slow
 def test_sigterm_stops_at_a_step_saves_and_a_relaunch_ends_bitwise_equal(tmp_path, reference_runs):
     reference = reference_runs(ARGS)
     cmd = train_cmd(2) + ARGS + outputs(tmp_path)
@@ -260,7 +253,6 @@ def test_sigterm_stops_at_a_step_saves_and_a_relaunch_ends_bitwise_equal(tmp_pat
     assert_same_weights(reference["model"], final_model(tmp_path / "run-snapshots")["model"])
 
 
-@pytest.mark.slow
 def test_static_rendezvous_restart_recovers(tmp_path, reference_runs):
     reference = reference_runs(ARGS)
     rendezvous = [
@@ -284,7 +276,6 @@ def test_static_rendezvous_restart_recovers(tmp_path, reference_runs):
     assert_same_weights(reference["model"], final_model(tmp_path / "run-snapshots")["model"])
 
 
-@pytest.mark.slow
 def test_resume_with_another_world_size_continues_by_samples_seen(tmp_path):
     """--max-steps counts steps of the size the run started with: on 1 rank the rest takes twice the steps."""
     cmd2 = train_cmd(2, script="tests/fault_injection.py") + ARGS + outputs(tmp_path)

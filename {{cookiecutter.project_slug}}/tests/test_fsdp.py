@@ -31,7 +31,6 @@ def exported(tmp_path, name="run"):
     return torch.load(tmp_path / f"{name}-export" / "model.pt", weights_only=True)
 
 
-@pytest.mark.slow
 def test_fsdp_trains_like_ddp_and_exports_weights_that_load_into_a_plain_model(tmp_path):
     run(train_cmd(2) + ARGS + outputs(tmp_path, "ddp"))
     run(train_cmd(2) + ARGS + FSDP + outputs(tmp_path, "fsdp"))
@@ -50,14 +49,12 @@ def test_fsdp_trains_like_ddp_and_exports_weights_that_load_into_a_plain_model(t
     build_model(default_config(), train).load_state_dict(weights)
 
 
-@pytest.mark.slow
 def test_fsdp_sigkill_at_a_random_moment_ends_bitwise_equal_with_3_ranks(tmp_path):
     resumed = sigkill_at_random_and_resume(tmp_path, 3, ARGS + FSDP, kill_after=(11, 30))
     assert resumed["steps"] == STEPS and resumed["resumed_from"] >= 10, resumed
     assert_same_weights(exported(tmp_path, "reference"), exported(tmp_path))
 
 
-@pytest.mark.slow
 def test_fsdp_damaged_shard_falls_back_and_one_rank_reshards_the_snapshot(tmp_path):
     args = ARGS + FSDP + ["--snapshot-every", "20"]  # the last of a repeated flag counts
     run(train_cmd(2) + args + outputs(tmp_path))

@@ -157,7 +157,6 @@ def nccl_run(tmp_path_factory):
     return folder
 
 
-@pytest.mark.slow
 @pytest.mark.gpu
 @gpus(1)
 def test_one_rank_trains_with_nccl_on_its_gpu(nccl_run):
@@ -198,7 +197,6 @@ print("loaded on CPU: step", snapshot["step"])
 """
 
 
-@pytest.mark.slow
 @pytest.mark.gpu
 @gpus(1)
 def test_exported_weights_and_snapshots_of_a_gpu_run_load_on_a_machine_without_gpus(nccl_run):
@@ -209,7 +207,6 @@ def test_exported_weights_and_snapshots_of_a_gpu_run_load_on_a_machine_without_g
     assert "loaded on CPU: step 60" in result.stdout
 
 
-@pytest.mark.slow
 @pytest.mark.gpu
 @gpus(1)
 def test_two_ranks_with_nccl_on_one_gpu_are_refused_before_training(tmp_path):
@@ -227,7 +224,6 @@ def test_two_ranks_with_nccl_on_one_gpu_are_refused_before_training(tmp_path):
 # ---- bitwise resume on GPUs -------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 @pytest.mark.gpu
 @gpus(1)
 @pytest.mark.parametrize("amp", ["off", "bf16", "fp16"])
@@ -243,7 +239,6 @@ def test_sigkill_and_restart_end_bitwise_equal_on_a_gpu(tmp_path, amp):
         assert resumed["scaler"] == reference["scaler"]
 
 
-@pytest.mark.slow
 @pytest.mark.gpu
 @gpus(1)
 def test_two_ranks_share_one_gpu_with_gloo_and_resume_bitwise(tmp_path):
@@ -254,7 +249,6 @@ def test_two_ranks_share_one_gpu_with_gloo_and_resume_bitwise(tmp_path):
     assert_same_weights(reference["model"], resumed["model"])
 
 
-@pytest.mark.slow
 @pytest.mark.gpu
 @gpus(2)
 def test_two_ranks_with_nccl_on_two_gpus_resume_bitwise(tmp_path):
@@ -264,7 +258,6 @@ def test_two_ranks_with_nccl_on_two_gpus_resume_bitwise(tmp_path):
     assert_same_weights(reference["model"], resumed["model"])
 
 
-@pytest.mark.slow
 def test_deterministic_switches_are_on_before_training_and_off_without_the_flag(tmp_path):
     """Runs on CPU too: the switches are the same there, and cuBLAS reads its variable only once it is used."""
     for flag in ("--deterministic", "--no-deterministic"):
@@ -352,7 +345,6 @@ def test_a_snapshot_of_cuda_tensors_leaves_the_training_thread_free_and_holds_th
 # ---- torch.compile ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 @pytest.mark.gpu
 @gpus(1)
 def test_compile_on_a_gpu_trains_and_keeps_the_models_own_names(tmp_path):
@@ -375,7 +367,6 @@ def default_model_names():
     return set(model.build_model(default_config(), default_datasets()[0]).state_dict())
 
 
-@pytest.mark.slow
 @pytest.mark.gpu
 @gpus(1)
 @pytest.mark.parametrize("amp", ["off", "bf16"])
@@ -391,7 +382,6 @@ def test_fsdp_on_a_gpu_resumes_bitwise_and_exports_plain_cpu_weights(tmp_path, a
     build_model(default_config(), train).load_state_dict(resumed)  # the plain model, on a CPU
 
 
-@pytest.mark.slow
 @pytest.mark.gpu
 @gpus(2)
 def test_fsdp_with_nccl_on_two_gpus_resumes_bitwise(tmp_path):

@@ -447,7 +447,6 @@ def kill_all(pids):
             os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.slow
 def test_torchrun_workers_that_call_exit_with_parent_die_with_their_agent(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -480,7 +479,6 @@ def committed_steps(folder):
     return sorted(path.parent.name for path in folder.glob("step-*/" + MANIFEST))
 
 
-@pytest.mark.slow
 def test_training_workers_die_when_their_torchrun_agent_is_killed(tmp_path):
     """The real thing: torchrun train.py, its agent SIGKILLed mid-training; no worker trains on without it."""
     folder = tmp_path / "run-snapshots"

@@ -131,7 +131,6 @@ def test_the_shipped_notebook_trains_shows_rank_0_once_and_refuses_bad_flags_in_
     assert not (tmp_path / "demo" / "snapshots" / "step-00000000").exists()
 
 
-@pytest.mark.slow
 def test_a_notebook_launch_survives_a_sigkill_bitwise_and_the_stop_button_saves_a_snapshot(tmp_path, uninterrupted):
     kill = tmp_path / "killed"
     stop = tmp_path / "stopped"

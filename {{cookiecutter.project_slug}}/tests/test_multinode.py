@@ -10,7 +10,6 @@ import re
 import signal
 import sys
 
-import pytest
 from conftest import (
     QUICK,
     ROOT,
@@ -92,7 +91,6 @@ def progress_matches(progress, samples):
     return True
 
 
-@pytest.mark.slow
 def test_two_nodes_train_like_one_and_a_worker_killed_on_one_restarts_every_node(tmp_path, reference_runs):
     """Two agents of one rank each make one 2-rank world: killed on node 1, it resumes on both nodes and ends
     bitwise-equal to the one-node run."""
@@ -114,7 +112,6 @@ def test_two_nodes_train_like_one_and_a_worker_killed_on_one_restarts_every_node
     assert_same_weights(final["model"], reference["model"])
 
 
-@pytest.mark.slow
 def test_elastic_job_loses_a_node_and_finishes_on_the_other(tmp_path):
     """--nnodes=1:2: when node 1 dies, node 0 alone resumes the 2-rank snapshot with 1 rank and finishes."""
     agents = start_nodes(
@@ -141,7 +138,6 @@ def test_elastic_job_loses_a_node_and_finishes_on_the_other(tmp_path):
     assert logged == sorted(set(logged)), "every step once, in order, across the attempts"
 
 
-@pytest.mark.slow
 def test_nodes_that_see_different_snapshot_folders_stop_at_start_up(tmp_path):
     """Two machines whose --snapshot-dir is not one shared folder (here: two folders) must not train."""
     folders = [tmp_path / "node0-snapshots", tmp_path / "node1-snapshots"]

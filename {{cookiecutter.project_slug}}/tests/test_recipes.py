@@ -38,7 +38,6 @@ def test_the_docs_have_the_six_recipes():
     assert all(set(files) == {"model.py", "data.py"} for files in RECIPES.values())
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_a_recipe_trains_and_evaluates(tmp_path, name):
     if "transformers" in "".join(RECIPES[name].values()):

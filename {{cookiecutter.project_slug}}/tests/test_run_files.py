@@ -57,7 +57,6 @@ def errors_of(result):
     return [line for line in result.stdout.splitlines() if " ERROR " in line]
 
 
-@pytest.mark.slow
 def test_path_flags_are_checked_before_training(tmp_path):
     a_file, a_folder = tmp_path / "a-file", tmp_path / "a-folder"
     a_file.write_text("not a folder")
@@ -77,7 +76,6 @@ def test_path_flags_are_checked_before_training(tmp_path):
     assert [p.name for p in a_folder.iterdir()] == ["kept.txt"] and (a_folder / "kept.txt").read_text() == "kept"
 
 
-@pytest.mark.slow
 def test_runs_one_after_another_keep_their_own_files(tmp_path, wrapper):
     """Run A, then run B started afresh (--resume never) on the same symlinked snapshot folder, export folder and
     metrics file, without validation data; then A resumed from its config.toml."""
@@ -139,7 +137,6 @@ def test_runs_one_after_another_keep_their_own_files(tmp_path, wrapper):
     assert (tmp_path / "loss.png").stat().st_size > 0
 
 
-@pytest.mark.slow
 def test_a_live_job_keeps_its_files_and_a_stopped_run_keeps_no_other_runs_model(tmp_path, wrapper):
     export, metrics_file = tmp_path / "export", tmp_path / "metrics.jsonl"
     export.mkdir()
@@ -179,7 +176,6 @@ def test_a_live_job_keeps_its_files_and_a_stopped_run_keeps_no_other_runs_model(
     assert json.loads((kept / "summary.json").read_text())["run_id"] == "earlier"
 
 
-@pytest.mark.slow
 def test_a_val_metrics_value_that_is_not_a_number_is_refused_in_one_line(tmp_path, wrapper):
     from {{ cookiecutter.project_slug }} import model
 

@@ -117,7 +117,6 @@ def evaluate_in_one_process(weights):
     return results
 
 
-@pytest.mark.slow
 def test_two_rank_evaluation_equals_one_process_on_the_same_weights(two_rank_run):
     if build_datasets(cfg_of())[1] is None:
         pytest.skip("build_datasets returns no validation set")
@@ -131,7 +130,6 @@ def test_two_rank_evaluation_equals_one_process_on_the_same_weights(two_rank_run
     assert summary(two_rank_run)["val_loss"] == last["val_loss"]
 
 
-@pytest.mark.slow
 def test_export_loads_into_a_fresh_model_without_the_training_code(two_rank_run):
     export = two_rank_run / "run-export"
     weights = torch.load(export / "model.pt", weights_only=True)
@@ -150,7 +148,6 @@ def test_export_loads_into_a_fresh_model_without_the_training_code(two_rank_run)
         assert evaluate_in_one_process(best_weights)["val_loss"] == pytest.approx(best["best_val_loss"], rel=1e-6)
 
 
-@pytest.mark.slow
 def test_metrics_file_has_one_record_per_logged_step(two_rank_run):
     records = metrics(two_rank_run)
     steps = [r["step"] for r in records]
@@ -162,7 +159,6 @@ def test_metrics_file_has_one_record_per_logged_step(two_rank_run):
 # Resume control.
 
 
-@pytest.mark.slow
 def test_changed_lr_and_weight_decay_apply_on_resume(tmp_path):
     run(train_cmd() + FAST + ["--max-steps", "20", "--snapshot-every", "10"] + outputs(tmp_path, "a"))
     changed = ["--max-steps", "30", "--lr", "0.001", "--weight-decay", "0.05"]
@@ -198,7 +194,6 @@ def write_snapshot_of_another_model(folder):
     snapshots.close()
 
 
-@pytest.mark.slow
 def test_a_snapshot_of_another_model_stops_with_one_line_and_resume_never_sets_it_aside(tmp_path):
     snapshot_dir = tmp_path / "run-snapshots"
     write_snapshot_of_another_model(snapshot_dir)
@@ -219,7 +214,6 @@ def test_a_snapshot_of_another_model_stops_with_one_line_and_resume_never_sets_i
     assert summary(tmp_path)["resumed_from"] == 6
 
 
-@pytest.mark.slow
 def test_resume_never_without_snapshots_just_trains(tmp_path):
     run(train_cmd() + FAST + ["--max-steps", "3", "--resume", "never"] + outputs(tmp_path))
     assert summary(tmp_path)["resumed_from"] == -1
@@ -248,7 +242,6 @@ train.main(sys.argv[1:])
 """
 
 
-@pytest.mark.slow
 def test_a_loss_that_turns_nan_stops_the_run_before_a_snapshot_of_it(tmp_path):
     script = tmp_path / "nan_after.py"
     script.write_text(NAN_AFTER.format(root=str(ROOT), package="{{ cookiecutter.project_slug }}", after=23))
@@ -282,7 +275,6 @@ def first_names():
     return next(name for name, _ in network.named_parameters()), owners[-1]
 
 
-@pytest.mark.slow
 def test_nan_gradients_with_a_finite_loss_never_reach_a_snapshot_and_a_rerun_resumes_before_them(tmp_path):
     """Rank 1's gradient turns NaN at step 20, a snapshot step, its loss finite: the run stops naming step 20, the
     first parameter whose gradient was NaN on rank 1 (found by replaying step 20 from the snapshot of step 10) and
@@ -305,7 +297,6 @@ def test_nan_gradients_with_a_finite_loss_never_reach_a_snapshot_and_a_rerun_res
     assert all(torch.isfinite(t).all() for t in weights.values() if t.is_floating_point())
 
 
-@pytest.mark.slow
 def test_a_nan_output_is_traced_to_its_module_and_rank(tmp_path):
     """Rank 0's last module with parameters outputs NaN at step 17: the ERROR line names step 17, rank 0 and that
     module (the replay from the snapshot of step 10 finds it), and the replay command."""
@@ -331,7 +322,6 @@ train.main(sys.argv[1:])
 """
 
 
-@pytest.mark.slow
 def test_compile_trains_and_snapshots_keep_the_unwrapped_names(tmp_path):
     script = tmp_path / "eager_compile.py"
     script.write_text(EAGER_COMPILE.format(root=str(ROOT)))

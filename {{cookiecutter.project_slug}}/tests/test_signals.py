@@ -41,7 +41,6 @@ def snapshot_steps(tmp_path, name="run"):
     return sorted(int(p.parent.name[5:]) for p in (tmp_path / f"{name}-snapshots").glob("step-*/manifest.json"))
 
 
-@pytest.mark.slow
 def test_sigterm_to_the_workers_only_stops_the_job_with_a_snapshot(tmp_path):
     proc = start(train_cmd(2, ["--max-restarts=2"]) + LONG + outputs(tmp_path))
     wait_for(lambda: any(step >= 20 for step in logged_steps(tmp_path)), timeout=120, what="step 20")
@@ -56,7 +55,6 @@ def test_sigterm_to_the_workers_only_stops_the_job_with_a_snapshot(tmp_path):
     assert summary(tmp_path)["resumed_from"] == stopped_at
 
 
-@pytest.mark.slow
 def test_ctrl_c_saves_a_snapshot_at_the_next_step(tmp_path):
     proc = start(train_cmd(2, ["--max-restarts=2"]) + LONG + outputs(tmp_path))
     wait_for(lambda: any(step >= 20 for step in logged_steps(tmp_path)), timeout=120, what="step 20")
@@ -67,7 +65,6 @@ def test_ctrl_c_saves_a_snapshot_at_the_next_step(tmp_path):
     assert stopped and stopped[-1] >= 20, f"no snapshot at the stop: {snapshot_steps(tmp_path)}\n{out[-3000:]}"
 
 
-@pytest.mark.slow
 def test_a_hung_rank_leaves_the_stacks_of_the_waiting_ranks_in_their_logs(tmp_path):
     proc = start(train_cmd(2) + LONG + ["--dist-timeout", "8"] + outputs(tmp_path))
     wait_for(lambda: any(step >= 20 for step in logged_steps(tmp_path)), timeout=120, what="step 20")

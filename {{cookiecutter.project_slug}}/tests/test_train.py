@@ -27,7 +27,6 @@ from conftest import (
 INFO_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d INFO \[rank (\d+)\] (.*)$", re.M)
 
 
-@pytest.mark.slow
 def test_single_process_trains_and_summarizes(tmp_path):
     result = run(train_cmd() + QUICK + ["--max-steps", "30", "--snapshot-every", "10"] + outputs(tmp_path))
     done = summary(tmp_path)
@@ -79,7 +78,6 @@ def two_rank_run(tmp_path_factory):
     return result.stdout, tmp_path
 
 
-@pytest.mark.slow
 def test_two_ranks_log_each_info_record_once(two_rank_run):
     console, tmp_path = two_rank_run
     records = INFO_LINE.findall(console)
@@ -91,13 +89,11 @@ def test_two_ranks_log_each_info_record_once(two_rank_run):
     assert (done["world_size"], done["steps"]) == (2, 20)
 
 
-@pytest.mark.slow
 def test_quiet_ranks_stay_quiet_without_debug_all_ranks(two_rank_run):
     console, _ = two_rank_run
     assert "[rank 1]" not in console
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the threads of a process from /proc")
 def test_a_finished_run_ends_the_process_group_before_the_interpreter_exits(two_rank_run):
     """No gloo or store thread is left when main() returns: none can run into interpreter shutdown and abort
@@ -110,7 +106,6 @@ def test_a_finished_run_ends_the_process_group_before_the_interpreter_exits(two_
         assert not stray, f"{rank} still runs {stray} after main() returned"
 
 
-@pytest.mark.slow
 def test_error_on_rank_1_reaches_console_tagged_and_torchrun_summary(tmp_path):
     cmd = train_cmd(nproc=2, script="tests/fault_injection.py") + QUICK + ["--max-steps", "30"] + outputs(tmp_path)
     result = run(cmd, env=child_env(FAULT="raise_at_step", FAULT_RANK=1, FAULT_STEP=5), check=False)
@@ -125,7 +120,6 @@ def test_error_on_rank_1_reaches_console_tagged_and_torchrun_summary(tmp_path):
     assert not (tmp_path / "run-export" / "summary.json").exists(), "a failed run does not summarize"
 
 
-@pytest.mark.slow
 def test_debug_all_ranks_and_per_rank_log_files(tmp_path):
     log_file = str(tmp_path / "rank{rank}.log")
     cmd = train_cmd(nproc=2) + QUICK + ["--max-steps", "5"] + outputs(tmp_path) + ["--log-file", log_file]
@@ -146,7 +140,6 @@ def test_logging_setup_twice_adds_no_duplicate_handlers(capfd):
     assert capfd.readouterr().err.count("hello once") == 1
 
 
-@pytest.mark.slow
 def test_wandb_offline_makes_one_run_on_rank_0_and_keeps_its_id_on_relaunch(tmp_path):
     env = child_env(WANDB_DIR=tmp_path, WANDB_SILENT="true")
     args = ["--wandb", "offline", "--snapshot-every", "10"] + outputs(tmp_path)
@@ -162,7 +155,6 @@ def test_wandb_offline_makes_one_run_on_rank_0_and_keeps_its_id_on_relaunch(tmp_
     assert len(runs) == 2 and all(r.name.endswith(run_id) for r in runs), runs
 
 
-@pytest.mark.slow
 def test_second_launch_resumes_from_the_snapshot(tmp_path):
     base = train_cmd(nproc=2) + QUICK + ["--snapshot-every", "10"] + outputs(tmp_path)
     run(base + ["--max-steps", "20"])
@@ -186,7 +178,6 @@ def test_second_launch_resumes_from_the_snapshot(tmp_path):
     assert_same_weights(exported, final_model(tmp_path / "run-snapshots")["model"])
 
 
-@pytest.mark.slow
 def test_gradient_accumulation_skips_the_all_reduce_on_early_micro_steps(tmp_path):
     cmd = (
         train_cmd(nproc=2, script="tests/fault_injection.py") + QUICK + ["--max-steps", "6", "--snapshot-every", "100"]
@@ -200,14 +191,12 @@ def test_gradient_accumulation_skips_the_all_reduce_on_early_micro_steps(tmp_pat
     assert counts[1] > 0 and counts[4] == counts[1], counts
 
 
-@pytest.mark.slow
 def test_mixed_precision_bf16_trains(tmp_path):
     run(train_cmd(nproc=2) + QUICK + ["--max-steps", "30", "--amp", "bf16", "--grad-accum", "2"] + outputs(tmp_path))
     done = summary(tmp_path)
     assert done["steps"] == 30 and done["last_loss"] < done["first_loss"], done
 
 
-@pytest.mark.slow
 def test_a_damaged_run_file_is_one_error_and_the_run_gives_the_folder_up(tmp_path):
     folder = tmp_path / "run-snapshots"
     folder.mkdir()
@@ -220,7 +209,6 @@ def test_a_damaged_run_file_is_one_error_and_the_run_gives_the_folder_up(tmp_pat
     assert not metrics(tmp_path), "nothing was trained"
 
 
-@pytest.mark.slow
 def test_progress_bar_on_rank_0_only(tmp_path):
     """On a terminal, tqdm draws one bar (rank 0's), not one per rank."""
     import fcntl

@@ -70,7 +70,6 @@ def compute_loss(model, batch):
 """
 
 
-@pytest.mark.slow
 def test_a_hook_that_raises_on_one_rank_is_one_line_there_and_torchruns_root_cause(tmp_path):
     workspace = project(tmp_path, model=RAISES_ON_RANK_1)
     line = line_of(workspace, "model.py", "return F.cross_entropy(model(inputs), targets)")
@@ -108,7 +107,6 @@ except TrainingFailed as exc:
 """
 
 
-@pytest.mark.slow
 def test_what_the_trainer_refuses_on_one_rank_is_that_ranks_error_under_launch(tmp_path):
     workspace = project(tmp_path, model=FLOAT_ON_RANK_1)
     script = LAUNCH.format(package=PACKAGE, args=SHORT + outputs(tmp_path))
@@ -137,7 +135,6 @@ def compute_loss(model, batch):
 """
 
 
-@pytest.mark.slow
 def test_ranks_that_disagree_on_the_kind_of_step_are_told_at_the_first_step_without_a_hang(tmp_path):
     workspace = project(tmp_path, model=DICT_ON_RANK_0)
     started = time.monotonic()
@@ -164,7 +161,6 @@ def collate(items):
 """
 
 
-@pytest.mark.slow
 def test_collate_raising_in_a_dataloader_worker_is_one_line_naming_collate_and_its_line(tmp_path):
     workspace = project(tmp_path, data=COLLATE_RAISES)
     line = line_of(workspace, "data.py", 'raise ValueError("this batch')
@@ -186,7 +182,6 @@ def compute_loss(model, batch):
 """
 
 
-@pytest.mark.slow
 def test_a_validation_count_of_zero_is_one_line_and_an_unused_val_metrics_is_named(tmp_path):
     workspace = project(tmp_path, model=ZERO_COUNT)
     result = train_in(workspace, tmp_path, QUICK + ["--max-steps", "2", "--batch-size", "8", "--eval-every", "2"])
@@ -201,7 +196,6 @@ def test_a_validation_count_of_zero_is_one_line_and_an_unused_val_metrics_is_nam
 # -- torchrun's root cause after a warm restart ------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_torchruns_root_cause_after_a_warm_restart_is_the_rank_that_failed(tmp_path):
     """Rank 1 fails at its 3rd step in every attempt; the restart runs in a fork of the job's zygote. The rank that
     only lost its peer exits first there, and torchrun breaks a tie of whole-second timestamps by exit order."""
@@ -240,7 +234,6 @@ print("first done")
 """
 
 
-@pytest.mark.slow
 def test_a_second_launch_while_one_runs_is_refused_in_one_line_and_args_must_be_flags(tmp_path):
     script = TWO_LAUNCHES.format(package=PACKAGE, args=QUICK + ["--max-steps", "3"] + outputs(tmp_path))
     result = run([sys.executable, "-c", script], env=child_env(), cwd=tmp_path)

@@ -25,7 +25,6 @@ def records(text, level, rank):
 # A peer's death.
 
 
-@pytest.mark.slow
 def test_a_killed_peer_is_one_warning_on_the_surviving_rank(tmp_path):
     """Rank 1 is SIGKILLed mid-training: rank 0 says so in one warning, with no traceback, and the job fails."""
     rank_logs = tmp_path / "torchrun"  # torchrun's copy of each rank's own console output
@@ -93,7 +92,6 @@ def test_metrics_reader_skips_a_cut_line_and_keeps_the_newest_record_of_a_redone
     assert plot.curves(records_read) == {"loss": ([10, 20], [2.0, 1.25]), "val_loss": ([20], [1.5])}
 
 
-@pytest.mark.slow
 def test_plot_draws_the_curves_of_a_real_run(tmp_path):
     pytest.importorskip("matplotlib")
     from matplotlib.image import imread
