@@ -18,13 +18,9 @@ AWKWARD = {
     "description": 'Says "hi", it\'s got \\backslashes\\, tabs\tand emoji 🤖 — and {braces}',
     "author": 'Zoë O\'Connor "ZO" \\',
 }
-# The quick part of a baked project's own suite, run for every variant; the whole suite runs once, on a bake whose
-# demo model and data were replaced by a user's own (test_own_model_and_data_pass_the_whole_suite).
-FAST_OWN_TESTS = [
-    "tests/test_snapshot.py",
-    "tests/test_sbatch.py",
-    "tests/test_config.py::test_help_lists_every_contract_flag",
-]
+# The quick tier of a baked project's own suite (its in-process tests), run for every variant; the whole suite runs
+# once, on a bake whose demo model and data were replaced by a user's own (test_own_model_and_data_pass_the_whole_suite)
+FAST_OWN_TESTS = ["-m", "not slow"]
 OWN_MODEL = ROOT / "tests" / "own_model"
 OWN_LM = ROOT / "tests" / "own_lm"  # a transformer language model on a stream, with its own seam tests
 HF_RECIPE_TESTS = ROOT / "tests" / "own_hf" / "hf_recipe_tests.py"  # docs/recipes.md with transformers, datasets
