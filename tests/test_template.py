@@ -23,6 +23,10 @@ AWKWARD = {
 FAST_OWN_TESTS = ["-m", "not slow"]
 OWN_MODEL = ROOT / "tests" / "own_model"
 OWN_LM = ROOT / "tests" / "own_lm"  # a transformer language model on a stream, with its own seam tests
+# The machinery's own stress tests (multi-node rendezvous, the job lock's races, crashes inside a save, ...): a user's
+# model, data or settings cannot break what they check, so they run here on one default bake instead of in every
+# bake's suite. Each `<name>_tests.py` runs in the bake as `tests/test_<name>.py`, with the bake's conftest.
+MACHINERY_TESTS = ROOT / "tests" / "machinery"
 HF_RECIPE_TESTS = ROOT / "tests" / "own_hf" / "hf_recipe_tests.py"  # docs/recipes.md with transformers, datasets
 DEMO_BLOCK = re.compile(
     r"^[ \t]*# --- demo settings: delete them with the demo model and data ---\n"
@@ -174,6 +178,19 @@ def test_own_model_and_data_pass_the_whole_suite(tmp_path):
     summary = result.stdout.strip().splitlines()[-1]
     assert re.search(r"\d+ passed", summary) and "failed" not in summary, summary
     print(f"the swapped-in model's run of the baked suite: {summary}")
+
+
+def test_the_machinerys_stress_tests_pass_in_a_default_bake(tmp_path):
+    project = bake(tmp_path)
+    names = []
+    for path in sorted(MACHINERY_TESTS.glob("*_tests.py")):
+        names.append(f"tests/test_{path.name.removesuffix('_tests.py')}.py")
+        shutil.copy(path, project / names[-1])
+    assert names, f"no machinery tests in {MACHINERY_TESTS}"
+    args = ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile", *names)
+    summary = run_in(project, *args, timeout=1200).stdout.strip().splitlines()[-1]
+    assert re.search(r"\d+ passed", summary) and "failed" not in summary, summary
+    print(f"the machinery's stress tests: {summary}")
 
 
 def test_rebake_from_the_recorded_answers_reproduces_the_project_byte_for_byte(tmp_path):
