@@ -15,6 +15,7 @@ sys.path.insert(0, str(ROOT))
 
 from {{ cookiecutter.project_slug }} import config
 from {{ cookiecutter.project_slug }}.config import option
+from {{ cookiecutter.project_slug }}.machinery import runsettings
 
 DEMO_START = "# --- demo settings: delete them with the demo model and data ---"
 DEMO_END = "# --- end of demo settings ---"
@@ -54,7 +55,7 @@ def test_every_field_has_a_flag_with_its_default():
     for spec in dataclasses.fields(config.Config):
         if spec.name != "wandb":  # '' stands for "decide at run time", resolved by parse_args
             assert getattr(cfg, spec.name) == spec.default
-    assert cfg.wandb in config.WANDB_MODES
+    assert cfg.wandb in runsettings.WANDB_MODES
     assert config.flag("batch_size") == "--batch-size"
     help_text = config.build_parser().format_help()
     assert all(config.flag(spec.name) in help_text for spec in dataclasses.fields(config.Config))

@@ -14,6 +14,7 @@ Your rooms are one level up: model.py, data.py and config.py (the seam: machiner
     snapshot/       snapshots on disk: format, staging copies, the folder, the writer; load_latest
     report.py       export, summary, the resolved settings, the progress bar
     stop.py         SIGTERM and Ctrl-C: stop every rank at the same step, with a snapshot
+    runsettings.py  the engine's settings (RunSettings, which config.py's Config extends), grouped as --help shows
     settings.py     the settings dataclass <-> command line and TOML
     distributed.py  the torchrun environment, process group, device and teardown
     launcher.py     launch(): torchrun's elastic agent started from Python (notebooks, scripts), output in the caller

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import inspect
 import math
 import operator
 import re
@@ -211,9 +212,14 @@ def build_parser(config_cls: type) -> argparse.ArgumentParser:
         help="read settings from this TOML file (keys are setting names, "
         "e.g. batch_size = 64); flags on the command line override it",
     )
-    for setting in settings(config_cls):
+    fields = settings(config_cls)
+    titles = list(dict.fromkeys(group_title(config_cls, setting.name) for setting in fields))
+    own = group_title(config_cls, "") if inspect.get_annotations(config_cls) else None
+    groups = {title: parser.add_argument_group(title) for title in sorted(titles, key=lambda title: title != own)}
+    for setting in fields:
+        group = groups[group_title(config_cls, setting.name)]
         if setting.type is bool:
-            parser.add_argument(
+            group.add_argument(
                 flag(setting.name),
                 dest=setting.name,
                 action=argparse.BooleanOptionalAction,
@@ -224,7 +230,7 @@ def build_parser(config_cls: type) -> argparse.ArgumentParser:
         choices = setting.rules.choices
         if choices is not None and setting.optional:
             choices = (*choices, None)
-        parser.add_argument(
+        group.add_argument(
             flag(setting.name),
             dest=setting.name,
             default=setting.default,
@@ -233,6 +239,18 @@ def build_parser(config_cls: type) -> argparse.ArgumentParser:
             choices=choices,
         )
     return parser
+
+
+def group_title(config_cls: type, name: str) -> str:
+    """The --help group of a field: the first line of the docstring of the class that declares it (the last to);
+    the class's own group for name ''. The class's own group comes first in --help."""
+    for owner in config_cls.__mro__:
+        if name in inspect.get_annotations(owner) or not name:
+            doc = owner.__dict__.get("__doc__") or ""
+            if doc and not doc.startswith(f"{owner.__name__}("):  # dataclass writes its signature where none is
+                return doc.strip().splitlines()[0]
+            return f"settings of {owner.__name__}"
+    return "settings"
 
 
 def _toml_kind(value: Any) -> str:

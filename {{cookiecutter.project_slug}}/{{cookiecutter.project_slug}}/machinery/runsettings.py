@@ -1,0 +1,188 @@
+"""The engine's settings: how long and how to train, snapshots, logging, the process group, finding bugs.
+
+config.py's `Config` extends `RunSettings` with the settings of the user's model and data. Each section below is a
+dataclass of its own so that `train.py --help` lists the settings in these groups (its docstring is the group's
+title); `RunSettings` is all of them, in this order. To change a default, declare the field again in `Config` with
+another `option(...)`: it then shows among the project's own settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from . import baked, settings
+from .settings import option
+
+AMP_MODES = ("off", "bf16", "fp16")
+WANDB_MODES = ("online", "offline", "disabled")
+BACKENDS = ("auto", "nccl", "gloo")
+STRATEGIES = ("ddp", "fsdp")
+RESUME_MODES = ("auto", "never")
+FAULT_TOLERANCE = ("off", "torchft")
+
+
+@dataclass
+class Training:
+    """training"""
+
+    epochs: int = option(3, "passes over the dataset (ignored when --max-steps is set)", min=1)
+    max_steps: int = option(0, "stop after this many optimizer steps in total; 0 = run all epochs", min=0)
+    batch_size: int = option(32, "samples per rank per micro-step", min=1)
+    grad_accum: int = option(1, "micro-steps per optimizer step (gradients sync on the last one only)", min=1)
+    lr: float = option(3e-3, "peak learning rate (linear warmup, then cosine decay to 10%%)", above=0, max=10)
+    warmup_steps: int = option(20, "learning-rate warmup, in optimizer steps", min=0)
+    weight_decay: float = option(0.01, "AdamW weight decay", min=0, max=1)
+    clip_grad: float = option(0.0, "clip the gradient norm to this; 0 = off", min=0)
+    amp: str = option("off", "mixed precision: bf16, or fp16 (with a gradient scaler on CUDA)", choices=AMP_MODES)
+    compile: bool = option(False, "torch.compile the model")
+    strategy: str = option(
+        "ddp",
+        "ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer state are sharded across "
+        "the ranks (FSDP2), for a model that does not fit one device (needs torchrun)",
+        choices=STRATEGIES,
+    )
+    seed: int = option(1337, "seed for weights, data order and every rank's random streams", min=0, max=2**32 - 1)
+    num_workers: int = option(0, "DataLoader worker processes per rank", min=0, max=256)
+
+
+@dataclass
+class Evaluation(Training):
+    """evaluation and export"""
+
+    eval_every: int = option(100, "evaluate every this many optimizer steps; 0 = only at the end", min=0)
+    export_dir: str = option(
+        "export", "final weights (model.pt) and the best by val_loss (best.pt) go here", nonempty=True
+    )
+    metrics_file: str = option("logs/metrics.jsonl", "one JSON object per logged step, written by rank 0; '' for none")
+
+
+@dataclass
+class Snapshots(Evaluation):
+    """snapshots (fault tolerance)"""
+
+    snapshot_dir: str = option(
+        "snapshots", "folder for snapshots; a run resumes from the newest good one in it", nonempty=True
+    )
+    snapshot_every: int = option(100, "save a snapshot every this many optimizer steps (and always at the end)", min=1)
+    keep_snapshots: int = option(
+        3,
+        "snapshots to keep (>= 2: the newest may be mid-write when a job dies)",
+        min=2,
+        reason="the newest snapshot may be mid-write when a job dies",
+    )
+    resume: str = option(
+        "auto",
+        "auto: continue from the newest good snapshot in --snapshot-dir; never: start from scratch, moving what the "
+        "folder holds aside (restarts of this same torchrun job still resume)",
+        choices=RESUME_MODES,
+    )
+
+
+@dataclass
+class Tracking(Snapshots):
+    """logging and tracking"""
+
+    log_every: int = option(10, "log the loss every this many optimizer steps", min=1)
+    log_file: str = option(
+        "logs/train.log",
+        "log file: rank 0's records and every rank's warnings; put {rank} in the name for one full file per rank; "
+        "'' for none",
+    )
+    wandb: str = option(
+        "",
+        "wandb mode on rank 0; default: "
+        + ("online if a wandb API key is set up, else offline" if baked.USE_WANDB else "disabled"),
+        choices=WANDB_MODES,
+    )
+    wandb_project: str = option(baked.WANDB_PROJECT, "wandb project")
+
+
+@dataclass
+class Distributed(Tracking):
+    """processes and devices"""
+
+    backend: str = option(baked.BACKEND, "process group backend: auto = nccl with CUDA, else gloo", choices=BACKENDS)
+    dist_timeout: float = option(
+        600.0,
+        "seconds a collective may wait for a rank before the job fails (long while debugging)",
+        above=0,
+        max=7 * 24 * 3600,
+    )
+    fault_tolerance: str = option(
+        "off",
+        "off: a failed rank restarts the whole torchrun job from the newest snapshot; torchft: replica groups that "
+        "keep training while a failed one restarts and takes their state (one torchrun job per group; needs "
+        "torchft, TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID and NUM_REPLICA_GROUPS: see machinery/replicas.py)",
+        choices=FAULT_TOLERANCE,
+    )
+    threads_per_rank: int = option(0, "CPU threads per rank; 0 = this machine's cores / ranks on it", min=0, max=4096)
+    deterministic: bool = option(
+        False,
+        "deterministic algorithms only (cuBLAS, cuDNN): the same bits from the same inputs on the same GPU, "
+        "which a bitwise resume on GPUs needs; slower, and an operation without one fails",
+    )
+
+
+@dataclass
+class RunSettings(Distributed):
+    """finding bugs (docs/debugging.md)"""
+
+    resume_from: int = option(
+        0,
+        "replay from the kept snapshot of this optimizer step in --snapshot-dir, into <snapshot-dir>.replay-<step> "
+        "(snapshots and export; metrics only to a --metrics-file of its own): the original run's files stay as "
+        "they are; 0 = off",
+        min=0,
+    )
+    break_at_step: int = option(
+        0,
+        "call breakpoint() right before optimizer step N's forward (N counted from 1), with batch, model and step "
+        "as locals, on every rank or on those DEBUG_RANK names; PYTHONBREAKPOINT picks the debugger; 0 = off",
+        min=0,
+    )
+    profile_steps: str = option(
+        "",
+        "A:B traces optimizer steps A to B with torch.profiler on every rank, into profile/ beside --log-file "
+        "(logs/ when it is ''), and prints the top operators on rank 0; '' = off",
+        check=settings.step_range_problem,
+    )
+    check_replicas: int = option(
+        0,
+        "every N optimizer steps, compare every rank's parameters and buffers bit for bit and stop at the first "
+        "that differs (under fsdp, sharded parameters are left out); 0 = off",
+        min=0,
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def default_wandb_mode() -> str:
+    """Online only when wandb can log in without asking; never stop a run at a login prompt."""
+    if not baked.USE_WANDB:
+        return "disabled"
+    if os.environ.get("WANDB_MODE") in WANDB_MODES:
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    netrc = os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        with open(netrc, encoding="utf-8") as handle:
+            return "online" if "api.wandb.ai" in handle.read() else "offline"
+    except OSError:
+        return "offline"
+
+
+SettingsT = TypeVar("SettingsT")
+
+
+def parse_args(argv: Sequence[str] | None, config_cls: type[SettingsT]) -> SettingsT:
+    """Settings from --config FILE, then the command line on top; exit 2 with one line on the first bad value."""
+    cfg = settings.parse_args(argv, config_cls)
+    if isinstance(cfg, RunSettings) and not cfg.wandb:
+        cfg = dataclasses.replace(cfg, wandb=default_wandb_mode())
+    return cfg
