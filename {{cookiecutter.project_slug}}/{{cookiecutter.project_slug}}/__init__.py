@@ -3,7 +3,7 @@
 Yours to edit (the seam: machinery/hooks.py lists every hook these may define):
     model.py        the model, its loss, optimizer and schedule     <- replace with yours
     data.py         the datasets and how items become a batch       <- replace with yours
-    config.py       every setting, its default and what it means    <- add yours
+    config.py       your model's and data's settings (the engine's: machinery/runsettings.py)    <- add yours
 
 The template's machinery, edited only if you mean to:
     machinery/      training loop, snapshots (machinery/snapshot: load_latest), logging, debugging, tracking
