@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> Summary:
 
 def run(cfg: config.Config) -> Summary:
     """Train with settings already parsed: set up this rank, train, tear down."""
-    from {{ cookiecutter.project_slug }}.machinery import debug, distributed, faults, joblock, logs, replicas, stop, trainer
+    from {{ cookiecutter.project_slug }}.machinery import debug, distributed, faults, logs, parentdeath, replicas, stop, trainer
     from {{ cookiecutter.project_slug }}.machinery.snapshot import SnapshotError
     from {{ cookiecutter.project_slug }}.machinery.stream import StreamEnded
 
@@ -59,7 +59,7 @@ def run(cfg: config.Config) -> Summary:
             raise SystemExit(2) from None
     logs.setup(env.rank, cfg.log_file)
     if os.environ.get("TORCHELASTIC_RUN_ID"):
-        joblock.exit_with_parent()  # a worker whose torchrun agent died stops too, instead of training on alone
+        parentdeath.exit_with_parent()  # a worker whose torchrun agent died stops too, instead of training on alone
     stopped = stop.stopped_by_signal(cfg.snapshot_dir)
     if stopped:  # torchrun restarting a job that a signal stopped: stay stopped, with the same exit code
         log.log(

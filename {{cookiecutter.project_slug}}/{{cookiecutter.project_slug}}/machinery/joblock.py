@@ -1,7 +1,5 @@
-"""One job per snapshot folder, and workers that do not outlive their torchrun agent.
+"""One job per snapshot folder.
 
-The job lock
-------------
 Rank 0 of a job holds `<snapshot-dir>/job.lock`, a small JSON file: host, boot id, pid (and the pid's start
 time), the torchrun job id (TORCHELASTIC_RUN_ID, "" without torchrun), when the job started, its last heartbeat
 and a random owner token. A second job that finds the lock of a live job is refused at start-up, so two jobs never
@@ -48,26 +46,21 @@ Limits:
   host and its agent's pid instead.
 - The lock guards the folder against other jobs of this project only; it does not stop a person or another
   program from changing files in it.
-
-Workers and their agent
------------------------
-exit_with_parent() makes a worker die when the process that started it (torchrun's agent) dies, so a SIGKILLed
-agent does not leave workers training and committing snapshots on their own.
 """
 
-import ctypes
 import errno
 import json
 import logging
 import math
 import os
 import secrets
-import signal
 import socket
 import stat
-import sys
 import threading
 import time
+
+from .identity import boot_id, current_job, process_alive, process_start
+from .settings import shown
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +70,6 @@ DEFAULT_STALE_S = 30.0  # a heartbeat older than this, seen from another machine
 UNREADABLE_GRACE_S = 2.0  # an unreadable lock younger than this may be one being created with O_EXCL
 ATTEMPTS = 50  # take-over races lost before giving up
 CLOCK_TOLERANCE_S = 2.0  # a lock dated further ahead of the folder's clock than this has a date nobody can trust
-PID_MAX = 2**31 - 1  # the largest pid_t: a lock naming a pid outside 1..PID_MAX names no process
 _REQUIRED: dict[str, type | tuple[type, ...]] = {
     "host": str,
     "pid": int,
@@ -104,66 +96,6 @@ def stale_after_s() -> float:
     if not (math.isfinite(seconds) and seconds > 0):
         raise JobLockError(f"JOB_LOCK_STALE_S must be a number of seconds > 0, got {text!r}")
     return seconds
-
-
-def current_job() -> str:
-    """The torchrun job this process belongs to: TORCHELASTIC_RUN_ID, "" outside torchrun.
-
-    torchrun's default id "none" is shared by every job launched without --rdzv-id, so it names no job; the
-    agent (which lives as long as the job) names it instead.
-    """
-    from .warmstart import agent_pid  # it imports this module
-
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    if run_id == "none":
-        return f"none@{socket.gethostname()}:{agent_pid()}"
-    return run_id
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
-            return handle.read().strip()
-    except OSError:
-        return ""
-
-
-def proc_stat(pid: int) -> list[str] | None:
-    """The fields of /proc/<pid>/stat after the command name (state first), or None where there is none."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
-            return handle.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def process_start(pid: int) -> int | None:
-    """When a process started (clock ticks since boot): with its pid, it names one process, not a reused pid."""
-    fields = proc_stat(pid)
-    try:
-        return int(fields[19]) if fields else None
-    except (IndexError, ValueError):
-        return None
-
-
-def process_alive(pid: int, started: int | None) -> bool:
-    """Whether `pid` on this machine is still the process that wrote a lock."""
-    if not 0 < pid <= PID_MAX:
-        return False  # no process has it
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # exists, owned by another user
-    fields = proc_stat(pid)
-    if fields and fields[0] in ("Z", "X"):
-        return False  # exited, not yet reaped by its parent
-    if started is not None:
-        now = process_start(pid)
-        if now is not None and now != started:
-            return False  # the pid was reused by another process
-    return True
 
 
 def _open_stat(path: str, size: int = 0) -> tuple[os.stat_result, bytes]:
@@ -263,22 +195,15 @@ def _create_new(path: str, data: bytes, temp: str) -> bool:
         os.remove(temp)
 
 
-def _shown(value: object) -> str:
-    """A value from a lock file, for a one-line message: as it is when short and printable, else its repr, cut."""
-    text = value if isinstance(value, str) else repr(value)
-    if not text.isprintable() or len(text) > 80:
-        text = repr(text)
-    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
-
-
 def describe(record: dict) -> str:
-    """Who holds a lock, in words: host, pid, job and start time."""
-    job = f", torchrun job {_shown(record['job'])}" if record["job"] else ""
+    """Who holds a lock, in words: host, pid, job and start time (values from the file as they are, cut short)."""
+    job = f", torchrun job {shown(record['job'], quote=False, limit=80)}" if record["job"] else ""
     try:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record["started"]))
     except (OverflowError, OSError, ValueError):
-        started = _shown(record["started"])
-    return f"host {_shown(record['host'])}, pid {_shown(record['pid'])}{job}, started {started}"
+        started = shown(record["started"], quote=False, limit=80)
+    host, pid = (shown(record[key], quote=False, limit=80) for key in ("host", "pid"))
+    return f"host {host}, pid {pid}{job}, started {started}"
 
 
 class JobLock:
@@ -300,7 +225,7 @@ class JobLock:
         return json.dumps(
             {
                 "host": socket.gethostname(),
-                "boot_id": _boot_id(),
+                "boot_id": boot_id(),
                 "pid": os.getpid(),
                 "pid_started": process_start(os.getpid()),
                 "job": self.job,
@@ -366,7 +291,7 @@ class JobLock:
             return logging.DEBUG, ""
         if holder["job"] and holder["job"] == self.job:
             return logging.INFO, f"from an earlier attempt of this job ({describe(holder)})"
-        same_machine = holder["host"] == socket.gethostname() and holder.get("boot_id", "") == _boot_id()
+        same_machine = holder["host"] == socket.gethostname() and holder.get("boot_id", "") == boot_id()
         if same_machine:
             if holder["pid"] == os.getpid():
                 return logging.DEBUG, "from this process"
@@ -534,73 +459,3 @@ def _check_is_file(path: str, info: os.stat_result) -> None:
         raise JobLockError(f"{path} is a folder, not a job lock: delete it")
     if not stat.S_ISREG(info.st_mode):
         raise JobLockError(f"{path} is not a file, so not a job lock: delete it")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Workers die with their agent.
-
-PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-_watching = False
-
-
-def _kill_self() -> None:
-    os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))
-
-
-def set_parent_death_signal() -> bool:
-    """Ask Linux to SIGKILL this process when its parent dies; False where that is not available."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        result = libc.prctl(
-            ctypes.c_int(PR_SET_PDEATHSIG),
-            ctypes.c_ulong(signal.SIGKILL),
-            ctypes.c_ulong(0),
-            ctypes.c_ulong(0),
-            ctypes.c_ulong(0),
-        )
-    except (OSError, AttributeError) as exc:
-        log.debug("prctl is not available (%s): watching the parent process instead", exc)
-        return False
-    if result != 0:
-        log.debug(
-            "prctl(PR_SET_PDEATHSIG) failed (%s): watching the parent process instead", os.strerror(ctypes.get_errno())
-        )
-        return False
-    return True
-
-
-def watch_parent(parent: int, interval: float = 1.0) -> threading.Thread:
-    """A daemon thread that SIGKILLs this process once its parent is no longer `parent` (it died)."""
-
-    def watch() -> None:
-        while True:
-            time.sleep(interval)
-            if os.getppid() != parent:
-                log.error("the parent process (pid %d) is gone: exiting", parent)
-                _kill_self()
-
-    thread = threading.Thread(target=watch, name="exit-with-parent", daemon=True)
-    thread.start()
-    return thread
-
-
-def exit_with_parent() -> None:
-    """Die (SIGKILL) when the process that started this one dies: under torchrun, the agent.
-
-    A worker whose agent was SIGKILLed would otherwise keep training and committing snapshots with nobody to
-    restart, stop or report it, and would hold the snapshot folder's lock. On Linux the kernel delivers the signal
-    (prctl PR_SET_PDEATHSIG); elsewhere a daemon thread checks the parent every second. Call it once, early.
-    Linux sends the signal when the thread that started this process exits: torchrun starts its workers from
-    its main thread, so that is the agent's exit.
-    """
-    global _watching
-    parent = os.getppid()  # before prctl: a parent that dies in between is caught below
-    if set_parent_death_signal():
-        if os.getppid() != parent:
-            _kill_self()
-        return
-    if not _watching:
-        _watching = True
-        watch_parent(parent)

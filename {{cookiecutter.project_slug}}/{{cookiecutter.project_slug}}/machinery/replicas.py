@@ -57,7 +57,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import distributed, joblock, warmstart
+from . import distributed, identity
 from .debug import postmortem_requested
 from .settings import RunError, flag
 
@@ -400,8 +400,8 @@ class ReplicaGroup:
         the lighthouse, and the other groups would wait for it all that time. Ranks of the group on other machines
         are left to that timeout.
         """
-        parent = warmstart.agent_pid()
-        siblings = [pid for pid in _children(parent) if pid != warmstart.worker_pid()]
+        parent = identity.agent_pid()
+        siblings = [pid for pid in _children(parent) if pid != identity.worker_pid()]
         if not siblings or "TORCHELASTIC_RUN_ID" not in os.environ:
             return
 
@@ -495,5 +495,5 @@ def _children(parent: int) -> list[int]:
 
 
 def _is_child(pid: int, parent: int) -> bool:
-    fields = joblock.proc_stat(pid)
+    fields = identity.proc_stat(pid)
     return fields is not None and len(fields) > 1 and fields[1] == str(parent) and fields[0] != "Z"  # zombie: dead

@@ -78,9 +78,11 @@ class Rules:
 
 
 def shown(value: Any, quote: bool = True, limit: int = 60) -> str:
-    """`value` for a one-line message: its repr (or str, for numbers with quote=False), cut short when long."""
+    """`value` for a one-line message: its repr, cut short when long. quote=False: a number, or a string of printable
+    characters, as it is (str)."""
     try:
-        text = repr(value) if quote or isinstance(value, str) else str(value)
+        plain = not quote and (not isinstance(value, str) or value.isprintable())
+        text = str(value) if plain else repr(value)
     except ValueError:  # an integer of more digits than Python converts to text
         return f"an integer of {value.bit_length()} bits"
     if len(text) <= limit:

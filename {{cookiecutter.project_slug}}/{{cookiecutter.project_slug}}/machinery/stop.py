@@ -7,7 +7,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from . import joblock
+from . import identity
 from .distributed import DistEnv
 
 STOP_RECORD = "stopped.json"  # in the snapshot folder: which torchrun job a signal stopped, at which step
@@ -31,7 +31,7 @@ def stopped_by_signal(snapshot_dir: str) -> int:
         return 0
     stopped_job = record.get("job") if isinstance(record, dict) else None
     signum = record.get("signal") if isinstance(record, dict) else None
-    return signum if stopped_job == joblock.current_job() and isinstance(signum, int) and signum > 0 else 0
+    return signum if stopped_job == identity.current_job() and isinstance(signum, int) and signum > 0 else 0
 
 
 class StopRequest:

@@ -31,7 +31,7 @@ import torch
 from torch.utils._pytree import tree_map
 from torch.utils.data import IterableDataset
 
-from . import distributed, joblock, logs, nonfinite, replicas, runfiles, tracking, watchdog
+from . import distributed, identity, logs, nonfinite, replicas, runfiles, tracking, watchdog
 from .batches import Batches, Progress, RunLength
 from .debugflags import DebugFlags, replay_settings
 from .distributed import DistEnv
@@ -420,7 +420,7 @@ class Trainer:
         if stopped and self.env.is_main:
             write_json_atomic(
                 os.path.join(self.snapshots.directory, STOP_RECORD),
-                {"job": joblock.current_job(), "step": self.progress.step, "signal": stop.signal},
+                {"job": identity.current_job(), "step": self.progress.step, "signal": stop.signal},
             )
         summary = self._summary(
             already_complete=self.resumed_from >= self.total_steps, stop_signal=stop.signal if stopped else 0

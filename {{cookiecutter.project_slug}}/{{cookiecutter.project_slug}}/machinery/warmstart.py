@@ -40,27 +40,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import joblock
+from . import identity, parentdeath
 
 ENV_SWITCH = "WARM_RESTART"  # "0": every restart is cold
-ENV_WORKER = "WARM_RESTART_WORKER_PID"  # in a child: the pid torchrun started for this rank (the stand-in)
-ENV_AGENT = "WARM_RESTART_AGENT_PID"  # in a child: torchrun's agent
 NAME = "warm-restart"  # the zygote's process name (ps -o comm, top): it trains nothing itself
 PR_SET_NAME = 15  # from <linux/prctl.h>
 FORWARDED = tuple(
     getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2") if hasattr(signal, name)
 )
 _LENGTH = struct.Struct("!I")
-
-
-def worker_pid() -> int:
-    """The pid torchrun started for this rank: this process, or in a warm child its stand-in."""
-    return int(os.environ.get(ENV_WORKER) or os.getpid())
-
-
-def agent_pid() -> int:
-    """The torchrun agent that started this rank's worker (the parent process, outside a warm child)."""
-    return int(os.environ.get(ENV_AGENT) or os.getppid())
 
 
 def enabled() -> bool:
@@ -71,7 +59,7 @@ def enabled() -> bool:
 
 def _address(agent: int, run_id: str) -> str:
     """The zygote's socket (Linux's abstract namespace: no file to clean up): one per agent process and job."""
-    key = f"{agent}:{joblock.process_start(agent)}:{run_id}:{os.getuid()}"
+    key = f"{agent}:{identity.process_start(agent)}:{run_id}:{os.getuid()}"
     return "\0warm-restart-" + hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
@@ -90,7 +78,7 @@ def _rewrite_command_line(args: list[str], scrub_environment: bool = False) -> N
     RANK would take the zygote (or a child of it, whose memory holds the zygote's first environment) for a rank.
     Nothing is written unless the memory holds what /proc shows.
     """
-    fields = joblock.proc_stat(os.getpid())
+    fields = identity.proc_stat(os.getpid())
     try:
         arg_start, arg_end, env_start, env_end = (int(fields[i]) for i in range(45, 49)) if fields else (0,) * 4
         with open("/proc/self/cmdline", "rb") as handle:
@@ -111,10 +99,6 @@ def _rewrite_command_line(args: list[str], scrub_environment: bool = False) -> N
         ctypes.memmove(env_start, b"\0".join(scrubbed)[:size], size)
 
 
-def _torchrun_worker() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The worker's side: leave a zygote (first attempt), or hand the rank to it (restarts).
 
@@ -124,7 +108,7 @@ def serve_restarts() -> None:
 
     Call it after the heavy imports and before anything else: the zygote is a copy of this process as it is now.
     """
-    if os.environ.get("LOCAL_RANK") != "0" or ENV_WORKER in os.environ or not _torchrun_worker() or not enabled():
+    if os.environ.get("LOCAL_RANK") != "0" or identity.warm_child() or not identity.torchrun_worker() or not enabled():
         return
     if not os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0").strip().isdigit():
         return
@@ -163,7 +147,7 @@ def handoff() -> None:
     Returns at once where there is none (the worker then starts cold); otherwise this process stays the rank's
     stand-in and exits when the child does, with its exit code or signal.
     """
-    if ENV_WORKER in os.environ or not _torchrun_worker() or not enabled():
+    if identity.warm_child() or not identity.torchrun_worker() or not enabled():
         return
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
         return  # a first attempt: no zygote yet
@@ -196,7 +180,7 @@ def handoff() -> None:
         conn.close()
         return
     conn.settimeout(None)
-    joblock.set_parent_death_signal()  # the agent gone: this stand-in dies, and the zygote kills the child
+    parentdeath.set_parent_death_signal()  # the agent gone: this stand-in dies, and the zygote kills the child
 
     def forward(signum: int, frame: Any) -> None:
         try:
@@ -283,10 +267,10 @@ class _Zygote:
         agent_fd = self._pidfd(self.agent)
         if agent_fd >= 0:
             self.selector.register(agent_fd, selectors.EVENT_READ, "agent")
-        started = joblock.process_start(self.agent)
+        started = identity.process_start(self.agent)
         while True:
             events = self.selector.select(timeout=None if self.pidfds and agent_fd >= 0 else 0.05)
-            if agent_fd < 0 and not joblock.process_alive(self.agent, started):
+            if agent_fd < 0 and not identity.process_alive(self.agent, started):
                 break
             if not self.pidfds:
                 self._reap_any()
@@ -427,15 +411,15 @@ class _Zygote:
             _set_name(self.name)
             _rewrite_command_line(request["cmdline"])  # the stand-in's; the environ stays the zygote's: no RANK
             os.sched_setaffinity(0, os.sched_getaffinity(stand_in))  # the CPUs torchrun gave this rank's worker
-            joblock.set_parent_death_signal()  # the zygote gone (the job over): so is this child
+            parentdeath.set_parent_death_signal()  # the zygote gone (the job over): so is this child
             for fd, target in zip(fds, (0, 1, 2), strict=True):
                 os.dup2(fd, target)
                 os.close(fd)
             os.chdir(request["cwd"])
             os.environ.clear()
             os.environ.update(request["env"])
-            os.environ[ENV_WORKER] = str(stand_in)
-            os.environ[ENV_AGENT] = str(self.agent)
+            os.environ[identity.ENV_WORKER] = str(stand_in)
+            os.environ[identity.ENV_AGENT] = str(self.agent)
             for signum in FORWARDED:
                 signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
             argv = list(request["argv"])

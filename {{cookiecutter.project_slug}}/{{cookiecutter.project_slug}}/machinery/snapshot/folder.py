@@ -10,7 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .. import distributed, joblock
+from .. import distributed, identity, joblock
 from .format import (
     MANIFEST,
     RUN_FILE,
@@ -50,7 +50,7 @@ class SnapshotFolder:
         self.directory = os.path.abspath(directory)
         self.env = env
         self.keep = keep
-        self.job = joblock.current_job()  # recorded in every manifest: a restart of this job resumes them
+        self.job = identity.current_job()  # recorded in every manifest: a restart of this job resumes them
         self._lock: joblock.JobLock | None = None  # rank 0's, from prepare() to close()
         self._closed = False
 
