@@ -29,8 +29,8 @@ from typing import Any, Literal, cast
 from . import distributed, runfiles
 from .distributed import DistEnv
 from .runfiles import RUN_ID
-from .settings import RunError
-from .snapshot import RUN_FILE, SnapshotError, short_repr, write_json_atomic
+from .settings import RunError, shown
+from .snapshot import RUN_FILE, SnapshotError, write_json_atomic
 
 WandbMode = Literal["online", "offline", "disabled"]  # the choices of --wandb
 
@@ -74,8 +74,7 @@ def _read_or_create_run_id(path: str) -> str:
     found = content.get("run_id")
     if not isinstance(found, str) or not RUN_ID.match(found):
         raise SnapshotError(
-            f"{path} has run_id {short_repr(found)}, not a string of 1 to 128 letters, digits, '_', '-' or '.': "
-            f"{remedy}"
+            f"{path} has run_id {shown(found)}, not a string of 1 to 128 letters, digits, '_', '-' or '.': {remedy}"
         )
     return found
 
