@@ -142,14 +142,14 @@ if FAULT == "crash_in_save" and RANK == FAULT_RANK:
     format.write_atomic = writer.write_atomic = crashing_write  # receipts and manifest, and the state files
 
 if FAULT == "kill_after_commit" and RANK == 0:
-    original_commit = snapshot.Snapshots._commit
+    original_commit = snapshot.Snapshots.commit
 
     def commit_then_die(self, folder, step):
         original_commit(self, folder, step)
         if step == FAULT_STEP and should_fire():
             os.kill(os.getpid(), signal.SIGKILL)
 
-    snapshot.Snapshots._commit = commit_then_die
+    snapshot.Snapshots.commit = commit_then_die
 
 if FAULT == "raise_in_quorum" and RANK == FAULT_RANK:
     from {{ cookiecutter.project_slug }}.machinery import replicas
@@ -194,7 +194,7 @@ def delayed(function, seconds):
 
 
 if os.environ.get("SLOW_COPY"):
-    writer._copy_to_cpu = delayed(writer._copy_to_cpu, float(os.environ["SLOW_COPY"]))
+    writer.copy_to_cpu = delayed(writer.copy_to_cpu, float(os.environ["SLOW_COPY"]))
 
 if os.environ.get("SLOW_WRITE"):
     writer.write_atomic = delayed(writer.write_atomic, float(os.environ["SLOW_WRITE"]))

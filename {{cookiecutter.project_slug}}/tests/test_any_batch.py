@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from {{ cookiecutter.project_slug }}.machinery.batches import Progress, to_device
 from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
-from {{ cookiecutter.project_slug }}.machinery.hooks import UserCode, _as_result
+from {{ cookiecutter.project_slug }}.machinery.hooks import UserCode, as_step_result
 from {{ cookiecutter.project_slug }}.machinery.stream import RankShare, StreamBatches, StreamEnded, shards_itself
 
 # -- any batch to the device ---------------------------------------------------------------------------------------
@@ -76,7 +76,7 @@ def test_dataclasses_named_tuples_and_mappings_move_like_dicts():
     assert type(moved_encoding) is Encoding and moved_encoding.kind == "tokens"
     assert moved_encoding["input_ids"].device.type == "meta" and encoding["input_ids"].device.type == "cpu"
     # compute_loss returning a scalar: the batch's size is read from the dataclass
-    result = _as_result(torch.tensor(1.0), batch)
+    result = as_step_result(torch.tensor(1.0), batch)
     assert result.count == 3
 
 
@@ -196,7 +196,7 @@ def tokens_of(rank):
 
 def token_sum(model, batch):
     errors = (model(batch["x"]) - batch["y"]) ** 2
-    return _as_result({"loss": errors.sum(), "count": len(errors)}, batch)
+    return as_step_result({"loss": errors.sum(), "count": len(errors)}, batch)
 
 
 def test_a_token_weighted_loss_is_the_mean_over_every_ranks_tokens(tmp_path):
@@ -239,7 +239,7 @@ def named_sums(model, batch):
     sums = {"all": batch.sum()}
     if (batch % 2 == 1).any():
         sums["odd"] = batch[batch % 2 == 1].sum()
-    return _as_result({"loss": batch.sum(), "count": len(batch), **sums}, batch)
+    return as_step_result({"loss": batch.sum(), "count": len(batch), **sums}, batch)
 
 
 def test_evaluation_sums_are_the_union_of_every_ranks_names_each_over_the_total_count(tmp_path):

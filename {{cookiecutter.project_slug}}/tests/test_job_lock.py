@@ -269,7 +269,7 @@ def within(seconds):
 
 def assert_taken(folder):
     snapshots = prepare(folder)
-    assert lock_record(folder)["owner"] == snapshots._lock.owner
+    assert lock_record(folder)["owner"] == snapshots.job_lock.owner
     snapshots.close()
     assert not (folder / joblock.LOCK_FILE).exists()
 

@@ -205,7 +205,7 @@ class UserCode:
 
     def _step(self, model: torch.nn.Module, batch: Any) -> StepResult:
         if self.compute_loss is not None:
-            result = _as_result(self.compute_loss(model, batch), batch)
+            result = as_step_result(self.compute_loss(model, batch), batch)
             self._check_trainable(model, result)
             return result
         if not isinstance(batch, (list, tuple)) or len(batch) != 2:
@@ -238,7 +238,7 @@ class UserCode:
             )
 
 
-def _as_result(value: Any, batch: Any) -> StepResult:
+def as_step_result(value: Any, batch: Any) -> StepResult:
     """compute_loss's answer as a StepResult: a scalar mean (weighted by the batch's size), or {loss, count, ...}."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:

@@ -15,8 +15,8 @@ from .format import (
     MANIFEST,
     RUN_FILE,
     SnapshotError,
-    _load_step,
     list_steps,
+    load_step,
     read_manifest,
     step_name,
     write_json_atomic,
@@ -51,7 +51,7 @@ class SnapshotFolder:
         self.env = env
         self.keep = keep
         self.job = identity.current_job()  # recorded in every manifest: a restart of this job resumes them
-        self._lock: joblock.JobLock | None = None  # rank 0's, from prepare() to close()
+        self.job_lock: joblock.JobLock | None = None  # rank 0's, from prepare() to close()
         self._closed = False
 
     # -- start-up ------------------------------------------------------------------------------------------------
@@ -101,8 +101,8 @@ class SnapshotFolder:
         token = secrets.token_hex(6)
         try:
             os.makedirs(self.directory, exist_ok=True)
-            self._lock = joblock.JobLock(self.directory)
-            self._lock.acquire()
+            self.job_lock = joblock.JobLock(self.directory)
+            self.job_lock.acquire()
             if fresh_start:
                 problem = self._start_fresh()
                 if problem:
@@ -128,7 +128,7 @@ class SnapshotFolder:
             return str(exc), token
         except OSError as exc:
             return f"cannot write snapshots to {self.directory}: {exc.strerror or exc}", token
-        self._lock.start_heartbeat()
+        self.job_lock.start_heartbeat()
         return None, token
 
     def _start_fresh(self):
@@ -158,7 +158,7 @@ class SnapshotFolder:
                 f"({exc.strerror or exc}); move or delete what it holds yourself, or resume from it with "
                 "--resume auto"
             )
-        self._lock.acquire()  # in the new, empty folder; the old lock file moved aside with the rest
+        self.job_lock.acquire()  # in the new, empty folder; the old lock file moved aside with the rest
         try:
             os.remove(os.path.join(candidate, joblock.LOCK_FILE))
         except FileNotFoundError:
@@ -235,7 +235,7 @@ class SnapshotFolder:
                 manifest = read_manifest(step_path)
                 same_world = manifest["world_size"] == env.world_size
                 # Each rank checks its share of a sharded snapshot's files; together they check all of them.
-                state = _load_step(step_path, [env.rank] if same_world else [], (env.rank, env.world_size))
+                state = load_step(step_path, [env.rank] if same_world else [], (env.rank, env.world_size))
             except SnapshotError as exc:
                 reason = str(exc)
             if distributed.all_true(env, reason is None):
@@ -266,9 +266,9 @@ class SnapshotFolder:
         """Give the folder up: rank 0 releases the job lock. Call wait() first to finish a save in flight: close()
         does not wait for it (after a failure it might never finish), and it is not committed after close()."""
         self._closed = True
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+        if self.job_lock is not None:
+            self.job_lock.release()
+            self.job_lock = None
 
     def _prune(self):
         committed, _ = list_steps(self.directory)

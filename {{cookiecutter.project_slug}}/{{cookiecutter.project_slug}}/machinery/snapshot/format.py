@@ -110,7 +110,7 @@ def write_json_atomic(path: str, obj) -> dict:
     return write_atomic(path, lambda f: f.write(json.dumps(obj, indent=1, sort_keys=True).encode()))
 
 
-def _sha256_file(path):
+def sha256_file(path):
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 22), b""):
@@ -130,7 +130,7 @@ def manifest_digest(manifest: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _manifest_problem(manifest, step):
+def manifest_problem(manifest, step):
     """Why a manifest cannot be trusted (a short phrase), or None when its whole shape and checksum are right."""
     if not isinstance(manifest, dict):
         return f"not a JSON object but {type(manifest).__name__}"
@@ -191,7 +191,7 @@ def read_manifest(step_path: str) -> dict:
             manifest = json.load(handle)
     except (OSError, ValueError, RecursionError) as exc:
         raise SnapshotError(f"{path}: unreadable manifest ({type(exc).__name__}: {exc})") from exc
-    problem = _manifest_problem(manifest, _step_of_folder(os.path.basename(os.path.normpath(step_path))))
+    problem = manifest_problem(manifest, _step_of_folder(os.path.basename(os.path.normpath(step_path))))
     if problem:
         raise SnapshotError(f"{path}: malformed manifest: {problem}")
     return manifest
@@ -215,7 +215,7 @@ def check_file(step_path: str, manifest: dict, name: str) -> str:
     if size != expected["size"]:
         what = "empty" if size == 0 else "truncated" if size < expected["size"] else "too long"
         raise SnapshotError(f"{path}: {what}, {size} bytes instead of {expected['size']}")
-    if _sha256_file(path) != expected["sha256"]:
+    if sha256_file(path) != expected["sha256"]:
         raise SnapshotError(f"{path}: checksum mismatch, the file changed or was damaged after it was written")
     return path
 
@@ -253,7 +253,7 @@ def list_steps(directory: str) -> tuple[list[int], list[int]]:
     return sorted(committed, reverse=True), sorted(incomplete)
 
 
-def _load_step(step_path, ranks, shards=(0, 1)):
+def load_step(step_path, ranks, shards=(0, 1)):
     """The shared state of one snapshot, with `rank_states` for the given ranks; raises SnapshotError.
 
     A sharded snapshot's torch.distributed.checkpoint files are checked, not loaded (the trainer loads them, on
@@ -287,7 +287,7 @@ def load_latest(directory: str, rank: int | None = None) -> dict | None:
         try:
             manifest = read_manifest(step_path)
             every_rank = range(int(manifest["world_size"]))
-            state = _load_step(step_path, every_rank)
+            state = load_step(step_path, every_rank)
             if state["sharded_dir"]:
                 for name in sharded_parts(state["sharded_dir"]):
                     if name != "optimizer":  # its shards stay as they are: keyed by parameter, not a state_dict
@@ -304,7 +304,7 @@ def load_latest(directory: str, rank: int | None = None) -> dict | None:
     return None
 
 
-def _shard_of(name: str) -> int | None:
+def shard_of(name: str) -> int | None:
     """The rank that writes a file of a sharded snapshot (rank 0 writes DCP's .metadata), or None for another file."""
     match = SHARDED_FILE.match(name)
     if match is None:

@@ -19,14 +19,14 @@ def _map_state(obj: Any, fn, path: tuple = ()) -> Any:
     return fn(path, obj)
 
 
-def _copy_to_cpu(obj, staging, path=(), staged=None):
+def copy_to_cpu(obj, staging, path=(), staged=None):
     """A deep copy with every tensor copied to CPU memory: what the writer thread serializes.
 
     Tensors are copied into the buffers of the previous save (`staging`, keyed by their place in `obj`):
     for a large state, fresh memory costs several times more in page faults than the copy itself, and the
     training thread waits for this copy at its next wait_until_copied(). The price: one copy of the state stays
     in memory.
-    A tensor whose place is in `staged` (CUDA tensors, see _DeviceCopies) is already on its way to the pinned
+    A tensor whose place is in `staged` (CUDA tensors, see DeviceCopies) is already on its way to the pinned
     buffer named there.
     """
 
@@ -45,7 +45,7 @@ def _copy_to_cpu(obj, staging, path=(), staged=None):
     return _map_state(obj, copy_one, path)
 
 
-class _DeviceCopies:
+class DeviceCopies:
     """The copies of one save's CUDA tensors into pinned CPU buffers, on a side stream of each device.
 
     save() starts them on the training thread: it only enqueues work, so the training thread never waits for
@@ -100,7 +100,7 @@ class _DeviceCopies:
             event.synchronize()
 
 
-def _split_dtensors(obj: Any) -> tuple[Any, dict[tuple, tuple]]:
+def split_dtensors(obj: Any) -> tuple[Any, dict[tuple, tuple]]:
     """(obj with each DTensor replaced by this rank's local shard, {place: how to put the DTensor back}).
 
     The copies off the training thread (and onto pinned memory) then treat shards as the plain tensors they are.
@@ -116,8 +116,8 @@ def _split_dtensors(obj: Any) -> tuple[Any, dict[tuple, tuple]]:
     return _map_state(obj, local), layouts
 
 
-def _join_dtensors(obj: Any, layouts: dict[tuple, tuple]) -> Any:
-    """The inverse of _split_dtensors, around the (copied) local shards."""
+def join_dtensors(obj: Any, layouts: dict[tuple, tuple]) -> Any:
+    """The inverse of split_dtensors, around the (copied) local shards."""
 
     def wrap(place, value):
         if place not in layouts:

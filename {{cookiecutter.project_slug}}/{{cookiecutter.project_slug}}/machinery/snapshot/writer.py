@@ -23,17 +23,17 @@ from .format import (
     SHARDED_DIR,
     SHARED,
     SnapshotError,
-    _manifest_problem,
-    _sha256_file,
-    _shard_of,
     manifest_digest,
+    manifest_problem,
     rank_file,
     receipt_file,
+    sha256_file,
+    shard_of,
     step_name,
     write_atomic,
     write_json_atomic,
 )
-from .staging import _copy_to_cpu, _DeviceCopies, _join_dtensors, _split_dtensors
+from .staging import DeviceCopies, copy_to_cpu, join_dtensors, split_dtensors
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class Snapshots(SnapshotFolder):
         self._staging: dict[Any, torch.Tensor] = {}  # CPU buffers the writer copies into, kept between saves
         self._pinned: dict[tuple, torch.Tensor] = {}  # pinned CPU buffers for CUDA tensors, kept likewise
         self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}  # a side stream per CUDA device
-        self._device_copies: _DeviceCopies | None = None  # the save in flight's CUDA copies, until ordered
+        self._device_copies: DeviceCopies | None = None  # the save in flight's CUDA copies, until ordered
         self._give_up_at = math.inf  # when rank 0 stops waiting for the other ranks' parts (see settle)
 
     def save(
@@ -108,12 +108,12 @@ class Snapshots(SnapshotFolder):
         by the writer thread, and the caller must call wait_until_copied() before anything changes them in place
         (before optimizer.step()). Only one save is in flight: this waits for the previous one first.
         CUDA tensors are copied into pinned memory on a side stream, started here without waiting for the
-        device (see _DeviceCopies); the first save allocates those buffers.
+        device (see DeviceCopies); the first save allocates those buffers.
         """
         self.wait()
         shared = shared if self.env.is_main else None
-        device_copies = _DeviceCopies(self._pinned, self._copy_streams)
-        shards, layouts = _split_dtensors(sharded_state) if sharded_state is not None else (None, {})
+        device_copies = DeviceCopies(self._pinned, self._copy_streams)
+        shards, layouts = split_dtensors(sharded_state) if sharded_state is not None else (None, {})
         if torch.cuda.is_initialized():  # no CUDA tensor can exist before CUDA is initialized
             device_copies.start({("shared",): shared, ("rank",): rank_state, ("sharded",): shards})
         self._device_copies = device_copies
@@ -183,9 +183,9 @@ class Snapshots(SnapshotFolder):
         try:
             try:
                 staged = device_copies.staged
-                shared = _copy_to_cpu(shared, self._staging, ("shared",), staged) if shared is not None else None
-                rank_state = _copy_to_cpu(rank_state, self._staging, ("rank",), staged)
-                shards = _copy_to_cpu(shards, self._staging, ("sharded",), staged) if shards is not None else None
+                shared = copy_to_cpu(shared, self._staging, ("shared",), staged) if shared is not None else None
+                rank_state = copy_to_cpu(rank_state, self._staging, ("rank",), staged)
+                shards = copy_to_cpu(shards, self._staging, ("sharded",), staged) if shards is not None else None
             finally:
                 self._copied.set()
             device_copies.wait()
@@ -199,16 +199,17 @@ class Snapshots(SnapshotFolder):
                 os.path.join(folder, rank_file(rank)), lambda f: torch.save(rank_state, f)
             )
             if shards is not None:
-                files.update(self._write_shards(folder, _join_dtensors(shards, layouts)))
+                files.update(self._write_shards(folder, join_dtensors(shards, layouts)))
             write_json_atomic(os.path.join(folder, receipt_file(rank)), {"rank": rank, "files": files})
             if self.env.is_main:
-                self._commit(folder, step)
+                self.commit(folder, step)
         except BaseException as exc:  # handed to the training thread by wait() or wait_until_copied()
             self._error = exc
             self._copied.set()
 
-    def _commit(self, folder, step):
-        """Write the manifest once every rank's receipt is in, then prune old snapshots."""
+    def commit(self, folder, step):
+        """Rank 0, on the writer thread: write the manifest once every rank's receipt is in, then prune old
+        snapshots."""
         files = {}
         deadline = time.monotonic() + self.commit_timeout
         for rank in range(self.env.world_size):
@@ -222,7 +223,7 @@ class Snapshots(SnapshotFolder):
                 receipt = json.load(handle)
             expected = {rank_file(rank)} | ({SHARED} if rank == 0 else set())
             if self.sharded and isinstance(receipt, dict) and isinstance(receipt.get("files"), dict):
-                expected |= {name for name in receipt["files"] if _shard_of(name) == rank}
+                expected |= {name for name in receipt["files"] if shard_of(name) == rank}
             if (
                 not isinstance(receipt, dict)
                 or not isinstance(receipt.get("files"), dict)
@@ -239,13 +240,13 @@ class Snapshots(SnapshotFolder):
             "job": self.job,
         }
         manifest["manifest_sha256"] = manifest_digest(manifest)
-        problem = _manifest_problem(manifest, step)
+        problem = manifest_problem(manifest, step)
         if problem:  # never commit what a reader would reject
             raise SnapshotError(f"{folder}: not committing a malformed manifest: {problem}")
         if self._closed:
             raise SnapshotError(f"not committing {folder}: the snapshot folder was closed while it was written")
-        if self._lock is not None and self._lock.lost:
-            raise SnapshotError(f"not committing {folder}: {self._lock.lost}")
+        if self.job_lock is not None and self.job_lock.lost:
+            raise SnapshotError(f"not committing {folder}: {self.job_lock.lost}")
         write_json_atomic(os.path.join(folder, MANIFEST), manifest)
         log.debug("snapshot %s committed", folder)
         self._prune()
@@ -265,9 +266,9 @@ class Snapshots(SnapshotFolder):
         dcp.save(state, storage_writer=dcp.FileSystemWriter(sharded, sync_files=True), process_group=self._group)
         receipts = {}
         for name in sorted(os.listdir(sharded)):
-            if _shard_of(f"{SHARDED_DIR}/{name}") == self.env.rank:
+            if shard_of(f"{SHARDED_DIR}/{name}") == self.env.rank:
                 path = os.path.join(sharded, name)
-                receipts[f"{SHARDED_DIR}/{name}"] = {"size": os.path.getsize(path), "sha256": _sha256_file(path)}
+                receipts[f"{SHARDED_DIR}/{name}"] = {"size": os.path.getsize(path), "sha256": sha256_file(path)}
         if self.env.is_main and f"{SHARDED_DIR}/.metadata" not in receipts:
             raise SnapshotError(f"{sharded}: torch.distributed.checkpoint wrote no .metadata")
         return receipts
