@@ -55,6 +55,8 @@ def _starts_processes(obj, seen):
         current = pending.pop()
         names.update(current.co_names)
         pending.extend(const for const in current.co_consts if inspect.iscode(const))
+    if names & set(STARTERS):
+        return True  # imported inside the function
     found = [obj.__globals__[name] for name in names if name in obj.__globals__]
     return any(_is_starter(value) or _starts_processes(value, seen) for value in found)
 
