@@ -6,6 +6,7 @@ import multiprocessing.process
 import os
 import pty
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -255,6 +256,35 @@ def sigkill_at_random_and_resume(tmp_path, nproc, args, kill_after=(12, 40)):
     resumed = summary(tmp_path)
     print(f"\n{nproc} ranks: killed rank {victim} after step {step}, resumed from {resumed['resumed_from']}")
     return resumed
+
+
+# A torchrun attempt that failed, in torchrun's summary (each restart follows one).
+FAILED_ATTEMPT = re.compile(r"failed \(exitcode: ")
+
+
+def reached_step(tmp_path, step):
+    """True once the run's metrics file has a record of `step` or later (each line is flushed as it is written)."""
+
+    def check():
+        try:
+            return any(record["step"] >= step for record in metrics(tmp_path))
+        except ValueError:
+            return False  # the line being written
+
+    return check
+
+
+def injected(tmp_path, **fault):
+    return child_env(FAULT_ONCE=tmp_path / "fault-fired", **fault)
+
+
+def starts(tmp_path):
+    """{attempt: ["warm" or "cold" for each rank]}, as tests/fault_injection.py recorded (RECORD_STARTS)."""
+    found = {}
+    for path in sorted((tmp_path / "starts").glob("start-rank*-attempt*")):
+        attempt = int(path.name.rsplit("attempt", 1)[1])
+        found.setdefault(attempt, []).append(path.read_text())
+    return found
 
 
 def wait_for(predicate, timeout=60, interval=0.05, what="condition"):

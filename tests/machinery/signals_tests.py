@@ -18,8 +18,8 @@ LONG = ["--wandb", "disabled", "--log-every", "5", "--max-steps", "3000", "--sna
 
 @pytest.mark.parametrize("under_torchrun", [False, True])
 def test_a_second_ctrl_c_interrupts_at_once_but_torchrun_s_copy_of_the_first_does_not(monkeypatch, under_torchrun):
-    from {{cookiecutter.project_slug}}.machinery.distributed import DistEnv
-    from {{cookiecutter.project_slug}}.machinery.stop import StopRequest
+    from ddp_project.machinery.distributed import DistEnv
+    from ddp_project.machinery.stop import StopRequest
 
     if under_torchrun:
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")

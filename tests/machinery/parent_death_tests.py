@@ -13,7 +13,7 @@ from conftest import PACKAGE, ROOT, child_env, outputs, start, train_cmd, wait_f
 
 sys.path.insert(0, str(ROOT))
 
-from {{ cookiecutter.project_slug }}.machinery.snapshot import MANIFEST
+from ddp_project.machinery.snapshot import MANIFEST
 
 
 def alive(pid):

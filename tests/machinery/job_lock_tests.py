@@ -19,11 +19,11 @@ from conftest import QUICK, ROOT, outputs, run, start, train_cmd, wait_for
 
 sys.path.insert(0, str(ROOT))
 
-from {{ cookiecutter.project_slug }}.machinery import identity, joblock
-from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
-from {{ cookiecutter.project_slug }}.machinery.snapshot import MANIFEST, SnapshotError, Snapshots, step_name
+from ddp_project.machinery import identity, joblock
+from ddp_project.machinery.distributed import DistEnv
+from ddp_project.machinery.snapshot import MANIFEST, SnapshotError, Snapshots, step_name
 
-PACKAGE = "{{ cookiecutter.project_slug }}"
+PACKAGE = "ddp_project"
 # Takes the lock of the folder argv[1] as rank 0 of a job does; then "hold" keeps it (with its heartbeat) until
 # killed, "vanish" dies at once without releasing it, as a SIGKILLed job would.
 HOLDER = f"""
