@@ -1,12 +1,18 @@
-"""Tell the user what to run next."""
+"""Leave out the optional parts the answers did not ask for, then tell the user what to run next."""
 
 import os
 import shlex
 
-# Jinja fills this in; the formatter would squeeze the spaces out of the braces.
+# Jinja fills these in; the formatter would squeeze the spaces out of the braces.
 # fmt: off
 NPROC = {{ cookiecutter.nproc_per_node | int }}
+SLUG = {{ cookiecutter.project_slug | py_str }}
+REPLICA_GROUPS = {{ cookiecutter.replica_groups == "yes" }}
 # fmt: on
+
+if not REPLICA_GROUPS:  # opt-in torchft replica groups: their module and tests (other files hold the rest behind Jinja)
+    for path in (f"{SLUG}/machinery/replicas.py", "tests/test_replica_groups.py"):
+        os.remove(path)
 
 print(
     f"Created {os.getcwd()}\n"

@@ -20,6 +20,7 @@ ANSWERS = {
     "use_wandb": {{ cookiecutter.use_wandb | py_str }},
     "wandb_project": {{ cookiecutter.wandb_project | py_str }},
     "debug_port": {{ cookiecutter.debug_port | py_str }},
+    "replica_groups": {{ cookiecutter.replica_groups | py_str }},
 }
 # fmt: on
 
@@ -131,7 +132,11 @@ def problems(answers):
         top = 65535 - (nproc or 1) + 1
         yield "debug_port", f"is out of range; allowed: 1024 <= debug_port <= {top} (ranks use debug_port + local rank)"
 
-    for key, choices in (("backend", ("auto", "nccl", "gloo")), ("use_wandb", ("yes", "no"))):
+    for key, choices in (
+        ("backend", ("auto", "nccl", "gloo")),
+        ("use_wandb", ("yes", "no")),
+        ("replica_groups", ("no", "yes")),
+    ):
         if answers[key] not in choices:
             yield key, f"is not a valid choice; allowed: {', '.join(choices)}"
 

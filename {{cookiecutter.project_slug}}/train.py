@@ -44,19 +44,18 @@ def main(argv: list[str] | None = None) -> Summary:
 
 def run(cfg: config.Config) -> Summary:
     """Train with settings already parsed: set up this rank, train, tear down."""
-    from {{ cookiecutter.project_slug }}.machinery import debug, distributed, faults, logs, parentdeath, replicas, stop, trainer
+    from {{ cookiecutter.project_slug }}.machinery import debug, distributed, faults, jobgroup, logs, parentdeath, stop, trainer
     from {{ cookiecutter.project_slug }}.machinery.snapshot import SnapshotError
     from {{ cookiecutter.project_slug }}.machinery.stream import StreamEnded
 
     warmstart.serve_restarts()  # local rank 0 of a job that may restart: keep a copy of this process as it is now
     env = distributed.read_env()
-    if replicas.requested(cfg):  # --fault-tolerance torchft: this replica group's own files
-        try:
-            replicas.per_group_paths(cfg, replicas.group_info().group)
-        except config.RunError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            record_cause(exc)
-            raise SystemExit(2) from None
+    try:
+        jobs = jobgroup.for_run(cfg)  # the jobs this one trains with, if any: they may give it files of its own
+    except config.RunError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        record_cause(exc)
+        raise SystemExit(2) from None
     logs.setup(env.rank, cfg.log_file)
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         parentdeath.exit_with_parent()  # a worker whose torchrun agent died stops too, instead of training on alone
@@ -72,7 +71,7 @@ def run(cfg: config.Config) -> Summary:
     try:
         env = distributed.init(env, cfg)
         log.info("rank %d of %d, backend %s, device %s", env.rank, env.world_size, env.backend, env.device)
-        summary = trainer.train(cfg, env)
+        summary = trainer.train(cfg, env, jobs)
         finished = True
     except faults.Refused as exc:  # a value of the user's code refused on this rank: the others may not meet it
         failed_here(env, faults.message(exc))

@@ -9,8 +9,10 @@ The fault is chosen by environment variables:
     FAULT=crash_in_save       rank FAULT_RANK is SIGKILLed halfway through writing FAULT_FILE ("rank" or
                               "manifest") of the snapshot of step FAULT_STEP, leaving a temp file behind
     FAULT=kill_after_commit   rank 0 is SIGKILLed right after it commits the snapshot of step FAULT_STEP
+{%- if cookiecutter.replica_groups == "yes" %}
     FAULT=raise_in_quorum     (--fault-tolerance torchft) rank FAULT_RANK raises right after it starts its first
                               step's quorum, while torchft forms the quorum in its own thread
+{%- endif %}
     FAULT=desync_at_step      rank FAULT_RANK adds 1 to the tensor FAULT_TENSOR (a state_dict key of the model) right
                               after its FAULT_STEP-th optimizer step: replicas that drift apart (--check-replicas)
     FAULT_ONCE=<path>         fire only if <path> does not exist (it is created on firing), so a restart runs clean
@@ -150,7 +152,7 @@ if FAULT == "kill_after_commit" and RANK == 0:
             os.kill(os.getpid(), signal.SIGKILL)
 
     snapshot.Snapshots.commit = commit_then_die
-
+{% if cookiecutter.replica_groups == "yes" %}
 if FAULT == "raise_in_quorum" and RANK == FAULT_RANK:
     from {{ cookiecutter.project_slug }}.machinery import replicas
 
@@ -159,7 +161,7 @@ if FAULT == "raise_in_quorum" and RANK == FAULT_RANK:
         raise RuntimeError(f"injected failure on rank {RANK} while the quorum forms")
 
     replicas.ReplicaGroup.start_step = start_step_then_fail
-
+{% endif %}
 if os.environ.get("NO_RNG_RESTORE"):
     trainer.restore_rng = lambda state: None
 

@@ -58,7 +58,7 @@ if os.environ.get("ALL_RANKS_ON_GPU"):
 run_training = trainer.train
 
 
-def probed_training(cfg, env):
+def probed_training(cfg, env, *rest):
     record = {
         "backend": env.backend, "device": str(env.device),
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
@@ -68,7 +68,7 @@ def probed_training(cfg, env):
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     with open(os.path.join(os.environ["PROBE_DIR"], f"rank{env.rank}-attempt{attempt}.json"), "w") as handle:
         json.dump(record, handle)
-    return run_training(cfg, env)
+    return run_training(cfg, env, *rest)
 
 
 trainer.train = probed_training

@@ -18,7 +18,10 @@ Your rooms are one level up: model.py, data.py and config.py (the seam: machiner
     settings.py     the settings dataclass <-> command line and TOML
     distributed.py  the torchrun environment, process group, device and teardown
     launcher.py     launch(): torchrun's elastic agent started from Python (notebooks, scripts), output in the caller
+    jobgroup.py     the hooks through which jobs that train one model together meet in the loop (none by default)
+{%- if cookiecutter.replica_groups == "yes" %}
     replicas.py     --fault-tolerance torchft: replica groups that train on while a failed one restarts (torchft)
+{%- endif %}
     logs.py         rank-aware logging (one clean console, every rank's warnings)
     faults.py       an error in your code, in one line naming your function and line, on the rank it happened on
     tracking.py     experiment tracking (wandb on rank 0, the metrics file), the run id

@@ -167,14 +167,14 @@ class Batches:
         self._iterator: Iterator[Any] = iter(())  # replaced by the first step's epoch start
         self._steps_left = 0
         self._last: list = []
-        self._again: list | None = None
+        self._repeat: list | None = None  # the micro-batches the next step takes once more
 
     def __iter__(self) -> "Batches":
         return self
 
     def __next__(self) -> list:
-        if self._again is not None:
-            step, self._again = self._again, None
+        if self._repeat is not None:
+            step, self._repeat = self._repeat, None
             return step
         while self._steps_left == 0:
             self._start_epoch()
@@ -184,15 +184,15 @@ class Batches:
         self._last = [next(self._iterator) for _ in range(self.cfg.grad_accum)]
         return self._last
 
-    def again(self) -> None:
-        """The next step takes the last step's micro-batches once more: that step was dropped (with replica groups,
-        when a group failed during it), so the data position stays a function of the steps taken."""
-        self._again = self._last
+    def repeat_last_step(self) -> None:
+        """The next step takes the last step's micro-batches once more: that step was dropped (by the jobs this one
+        trains with, when one failed during it), so the data position stays a function of the steps taken."""
+        self._repeat = self._last
 
     def restart(self) -> None:
         """Go on from the position in `progress` as it is now (it was loaded from elsewhere): the next step starts
         a new pass of the loader there."""
-        self._iterator, self._steps_left, self._again = iter(()), 0, None
+        self._iterator, self._steps_left, self._repeat = iter(()), 0, None
 
     def _start_epoch(self) -> None:
         progress = self.progress

@@ -120,7 +120,7 @@ class DebugFlags:
         self.profile_range = step_range(cfg.profile_steps)
         self.profile_dir = os.path.join(log_dir(cfg.log_file, env.rank), "profile")
         self._profiler: torch.profiler.profile | None = None
-        self._profiled = False  # once per run: a step taken again (a replica group's dropped step) is not traced twice
+        self._profiled = False  # once per run: a step taken again (one the job group dropped) is not traced twice
 
     def before_forward(self, micro_batches: list) -> list:
         """The step's micro-batches, once drawn: start the profiler at step A, stop in the debugger at step N."""

@@ -143,7 +143,7 @@ def _fresh_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store:
 
 def store_address() -> tuple[str, int]:
     """(host, port) of this attempt's process group store (under torchrun, once the process group is up): for
-    others that keep their keys per attempt too (replicas.py)."""
+    others that keep their keys per attempt too."""
     if _store_address is None:
         raise RuntimeError("no process group store: start the process group first (distributed.init)")
     return _store_address

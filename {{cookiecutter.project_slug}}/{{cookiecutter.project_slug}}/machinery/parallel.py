@@ -65,18 +65,17 @@ class Parallel:
         self.train_model: nn.Module = model  # the same, compiled when --compile
         self._settle_pending = False
 
-    def wrap(self, resumed: bool, replicated: bool = False) -> None:
+    def wrap(self, resumed: bool, with_other_jobs: bool = False) -> None:
         """DDP (under torchrun with 2 or more ranks, with --strategy ddp), then torch.compile if asked. A job of one
         rank trains the model as it is: DDP would only copy its gradients into buckets and average them over one.
 
-        `replicated` (--fault-tolerance torchft): DDP at any number of ranks, its buckets then averaged over the
-        replica groups too, during backward (replicas.ReplicaGroup.attach). Every group's buckets must then line
-        up, a restarted group's with those of the groups that trained on: each process settles its bucket order
-        before its first step (settle_bucket_order)."""
-        if (self.env.world_size > 1 or replicated) and not self.sharded:
+        `with_other_jobs` (jobgroup.py): DDP at any number of ranks, its buckets then averaged with the other jobs'
+        too, during backward. Every job's buckets must then line up, a restarted job's with those of the jobs that
+        trained on: each process settles its bucket order before its first step (settle_bucket_order)."""
+        if (self.env.world_size > 1 or with_other_jobs) and not self.sharded:
             device_ids = [self.env.device.index] if self.env.device.type == "cuda" else None
             self.wrapped = DistributedDataParallel(self.model, device_ids=device_ids, gradient_as_bucket_view=True)
-            self._settle_pending = resumed or replicated
+            self._settle_pending = resumed or with_other_jobs
         self.train_model = cast(nn.Module, torch.compile(self.wrapped)) if self.cfg.compile else self.wrapped
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -97,9 +96,9 @@ class Parallel:
 
         DDP rebuilds its buckets in the order gradients arrive during the first backward; until then it uses an
         initial layout. With 3 or more ranks gloo's ring all-reduce then sums in another order, so the first
-        resumed step would differ in the last bits from the uninterrupted run's; with replica groups, a group that
-        joins others' training would average its buckets with theirs element by element in another layout (the
-        caller keeps the groups out of this backward). So this runs one extra forward and
+        resumed step would differ in the last bits from the uninterrupted run's; a job that joins the training of
+        others (jobgroup.py) would average its buckets with theirs element by element in another layout (the caller
+        keeps the other jobs out of this backward). So this runs one extra forward and
         backward through your model, in eval mode, on the step's first micro-batch (already on the device), with
         the gradients thrown away and the random streams put back: the order is set, and the weights, the
         optimizer, the buffers and the data position are unchanged.

@@ -57,8 +57,13 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+from torch.utils._pytree import tree_map
+
 from . import distributed, identity
 from .debug import postmortem_requested
+from .distributed import DistEnv
+from .jobgroup import JobGroup
 from .settings import RunError, flag
 
 log = logging.getLogger(__name__)
@@ -142,23 +147,48 @@ def check_supported(cfg: Any, stream: bool) -> None:
         )
 
 
-class ReplicaGroup:
-    """This group's torchft Manager: a quorum of the live groups per step, their gradient average, and healing.
+class ReplicaGroup(JobGroup):
+    """This job as one replica group of several (jobgroup.py's hooks), through torchft's Manager: a quorum of the
+    live groups per step, their gradient average, and taking a live group's state after a restart.
 
-    `state_dict` / `load_state_dict` are what a restarted group fetches from a live one (the snapshot's shared
-    parts: weights, optimizer, schedule, data position); `on_heal` runs after such a fetch.
+    What a restarted group takes from a live one is the snapshot's shared parts (weights, optimizer, schedule, data
+    position): `_state_for_others` on the live group, `_take_live_state` on the restarted one.
     """
 
-    def __init__(
-        self,
-        info: GroupInfo,
-        env: Any,
-        step: int,
-        quorum_timeout: datetime.timedelta,
-        state_dict: Callable[[], dict[str, Any]],
-        load_state_dict: Callable[[dict[str, Any]], None],
-        on_heal: Callable[[], None],
-    ):
+    alone = False
+
+    def __init__(self, cfg: Any):
+        """Read this group's place from the environment; give the group its own files (in `cfg`)."""
+        self.info = group_info()
+        per_group_paths(cfg, self.info.group)
+        self._first = True
+        self._pending: list[_Bucket] = []  # this step's gradient buckets, as DDP handed them over
+        self._ddp_group: Any = None
+        self._skipping = False
+        # Set before the step's last backward: compute_loss returned a sum and a count, so the gradients are scaled
+        # after backward, and only then averaged over the groups
+        self.token_weighted = False
+        self._closed = threading.Event()
+        self._progress_at_quorum: dict[str, Any] = {}  # the data position a live group passes on
+
+    def data_env(self, cfg: Any, env: DistEnv, stream: bool) -> DistEnv:
+        """This rank's share of each step's data is among every group's ranks."""
+        check_supported(cfg, stream)
+        ranks = env.world_size
+        return dataclasses.replace(env, rank=self.info.group * ranks + env.rank, world_size=self.info.groups * ranks)
+
+    def join(self, trainer: Any) -> None:
+        """From here on, the groups meet at every step: start torchft's Manager, average DDP's gradient buckets over
+        the groups during backward, and leave at once when a rank of this group dies."""
+        self.trainer, self.env = trainer, trainer.env
+        self._start_manager(trainer.progress.step, distributed.collective_timeout(trainer.cfg))
+        self._progress_at_quorum = dataclasses.asdict(trainer.progress)
+        self.attach(trainer.parallel.wrapped)  # the groups average the gradients during backward
+        distributed.barrier(self.env)  # every rank of the group is up before each starts watching the others
+        self.watch_siblings()
+
+    def _start_manager(self, step: int, quorum_timeout: datetime.timedelta) -> None:
+        info, env = self.info, self.env
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's own (Rust) side logs every quorum at INFO
         try:
             import torchft
@@ -173,16 +203,7 @@ class ReplicaGroup:
             logging.getLogger(name).setLevel(logging.CRITICAL)
         # torchft's state transfer reads tensors from a read-only buffer, which torch warns about on every transfer
         warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
-        self.info, self.env, self._quorum_timeout = info, env, quorum_timeout
-        self._first = True
-        self._pending: list[_Bucket] = []  # this step's gradient buckets, as DDP handed them over
-        self._ddp_group: Any = None
-        self._apart = False
-        # Set before the step's last backward: compute_loss returned a sum and a count, so the gradients are scaled
-        # after backward, and only then averaged over the groups
-        self.token_weighted = False
-        self._closed = threading.Event()
-        self._load, self._on_heal = load_state_dict, on_heal
+        self._quorum_timeout = quorum_timeout
         store_host, store_port = distributed.store_address()
         if env.device.type == "cuda":
             pg = torchft.ProcessGroupNCCL(timeout=TIMEOUT)
@@ -195,8 +216,8 @@ class ReplicaGroup:
         try:
             self.manager = torchft.Manager(
                 pg=pg,
-                load_state_dict=self._heal,
-                state_dict=state_dict,
+                load_state_dict=self._take_live_state,
+                state_dict=self._state_for_others,
                 min_replica_size=1,
                 # The quorum is formed while the step computes (torchft's default), and a group that is behind fetches
                 # a live group's state meanwhile. It takes that state at the end of the step (should_commit), after
@@ -230,6 +251,7 @@ class ReplicaGroup:
         """The quorum for this step; a group that is behind takes a live group's state here. False: a rank of the
         group was asked to stop (`stopping`) while the group waited for the others at its first step (every rank of
         the group returns the same)."""
+        self._progress_at_quorum = dataclasses.asdict(self.trainer.progress)
         self.manager.start_quorum()
         if self._first:
             self._first = False
@@ -294,7 +316,7 @@ class ReplicaGroup:
 
         buffer = bucket.buffer()
         ranks = self.env.world_size
-        if self._apart:  # a backward whose gradients are thrown away (Parallel.settle_bucket_order)
+        if self._skipping:  # a backward whose gradients are thrown away (Parallel.settle_bucket_order)
             return _ready(buffer)
         if self.token_weighted:  # the groups' average waits until the step's gradients are scaled (_average_flat)
             return default_hooks.allreduce_hook(self._ddp_group, bucket) if ranks > 1 else _ready(buffer)
@@ -307,13 +329,16 @@ class ReplicaGroup:
         return _ready(buffer)
 
     @contextlib.contextmanager
-    def apart(self) -> Iterator[None]:
+    def skip_averaging(self) -> Iterator[None]:
         """A backward whose gradients are thrown away: no rank averages them with any other."""
-        self._apart = True
+        self._skipping = True
         try:
             yield
         finally:
-            self._apart = False
+            self._skipping = False
+
+    def before_backward(self, token_weighted: bool) -> None:
+        self.token_weighted = token_weighted
 
     def _start_between_groups(self, wait: bool) -> None:
         """Start the groups' average of the buckets whose average within the group is done, in bucket order (the
@@ -340,7 +365,7 @@ class ReplicaGroup:
                 "--min_replicas); start it again if it is gone, then launch the groups again to resume"
             ) from None
 
-    def average_and_commit(self, parameters: list, buffers: list) -> bool:
+    def average_and_commit(self, model: torch.nn.Module) -> bool:
         """Finish the gradients' average over the live groups (started during backward), average the
         floating-point buffers too (BatchNorm's running statistics, which each group updates on its own data), so
         that every group holds the same model; True when every group of the quorum may step its optimizer.
@@ -352,8 +377,9 @@ class ReplicaGroup:
                 for pending in self._pending:
                     pending.work.wait()  # an error is recorded, not raised: should_commit says False
             else:  # token-weighted: the gradients scaled within the group after backward
-                self._average_flat([self._gradient(parameter) for parameter in parameters])
-            self._average_flat([buffer.data for buffer in buffers if buffer.is_floating_point()])
+                trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
+                self._average_flat([self._gradient(parameter) for parameter in trained])
+            self._average_flat([buffer.data for buffer in model.buffers() if buffer.is_floating_point()])
         finally:
             self._pending = []
             self.token_weighted = False
@@ -371,16 +397,12 @@ class ReplicaGroup:
 
     @staticmethod
     def _gradient(parameter: Any) -> Any:
-        import torch
-
         if parameter.grad is None:  # unused in this group's batch: zero, as DDP treats it
             parameter.grad = torch.zeros_like(parameter)
         return parameter.grad
 
     def _average_flat(self, tensors: list) -> None:
         """Average tensors over the groups in one all-reduce per dtype and device, through a flat copy."""
-        import torch
-
         by_kind: dict[tuple, list] = {}
         for tensor in tensors:
             by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
@@ -420,12 +442,41 @@ class ReplicaGroup:
 
         threading.Thread(target=watch, name="replica-group-siblings", daemon=True).start()
 
-    def _heal(self, state: dict[str, Any]) -> None:
-        self._load(state)
-        self._on_heal()
+    def _state_for_others(self) -> dict[str, Any]:
+        """What a restarted group takes from this one: the snapshot's shared parts, copied as they are now (the
+        transfer may still run when this group's next optimizer step changes its tensors in place).
+
+        torchft asks for it while this group's step computes (the quorum runs alongside); the weights, optimizer and
+        schedule change only at the optimizer step, but the data position moves on when the step draws its data:
+        the position is the one at the step's start. Floating-point buffers (BatchNorm's statistics) change during
+        forward: the restarted group's may be those of a moment later, and match the other groups' again once the
+        next step has averaged them."""
+        state = self.trainer.state.capture()[0]
+        state["progress"] = dict(self._progress_at_quorum)
+        return tree_map(lambda value: value.clone() if isinstance(value, torch.Tensor) else value, state)
+
+    def _take_live_state(self, state: dict[str, Any]) -> None:
+        """A live group's state, loaded at the end of a step as a resume from a snapshot (the progress first: the
+        default learning-rate schedule is a function of the samples seen); then this group goes on from the live
+        groups' place in the data after that step (its own share of it counted as zero in the groups' average)."""
+        trainer = self.trainer
+        parts = trainer.state.shared
+        parts["progress"].load_state_dict(state["progress"])
+        for name, part in parts.items():
+            if name != "progress":
+                part.load_state_dict(state[name])
+        trainer.total_steps = trainer.length.steps(trainer.progress, trainer.global_batch)
+        trainer.batches.restart()
+        next(trainer.batches)  # the share of the step being committed now, which this group did not train
+        trainer.last_saved = None
+        log.info(
+            "replica group %d rejoined at step %d with a live group's state", self.info.group, trainer.progress.step
+        )
 
     def close(self, error: BaseException | None = None) -> None:
         """`error`: the exception that ends the run early, if one does."""
+        if not hasattr(self, "manager"):  # the run ended before the groups met
+            return
         quorum = getattr(self.manager, "_quorum_future", None)  # the quorum torchft forms alongside each step
         self._closed.set()
         self.manager.shutdown(wait=False)
@@ -465,8 +516,6 @@ def _first_line(error: Any) -> str:
 
 def _ready(tensor: Any) -> Any:
     """A future that holds `tensor` already (what a DDP communication hook returns when nothing is left to wait for)."""
-    import torch
-
     done: Any = torch.futures.Future()
     done.set_result(tensor)
     return done

@@ -22,7 +22,6 @@ WANDB_MODES = ("online", "offline", "disabled")
 BACKENDS = ("auto", "nccl", "gloo")
 STRATEGIES = ("ddp", "fsdp")
 RESUME_MODES = ("auto", "never")
-FAULT_TOLERANCE = ("off", "torchft")
 
 
 @dataclass
@@ -112,13 +111,15 @@ class Distributed(Tracking):
         above=0,
         max=7 * 24 * 3600,
     )
+{%- if cookiecutter.replica_groups == "yes" %}
     fault_tolerance: str = option(
         "off",
         "off: a failed rank restarts the whole torchrun job from the newest snapshot; torchft: replica groups that "
         "keep training while a failed one restarts and takes their state (one torchrun job per group; needs "
         "torchft, TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID and NUM_REPLICA_GROUPS: see machinery/replicas.py)",
-        choices=FAULT_TOLERANCE,
+        choices=("off", "torchft"),
     )
+{%- endif %}
     threads_per_rank: int = option(0, "CPU threads per rank; 0 = this machine's cores / ranks on it", min=0, max=4096)
     deterministic: bool = option(
         False,

@@ -18,7 +18,6 @@ What a resume takes from the snapshot, and what from the command line (or --conf
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -28,15 +27,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._pytree import tree_map
 from torch.utils.data import IterableDataset
 
-from . import distributed, identity, logs, nonfinite, replicas, runfiles, tracking, watchdog
+from . import distributed, identity, logs, nonfinite, runfiles, tracking, watchdog
 from .batches import Batches, Progress, RunLength
 from .debugflags import DebugFlags, replay_settings
 from .distributed import DistEnv
 from .evaluate import evaluate
 from .hooks import UserCode
+from .jobgroup import JobGroup
 from .optim import (
     OptimizerPart,
     SampleSchedule,
@@ -78,8 +77,9 @@ class ScalerPart:
 class Trainer:
     """Everything one run holds: model, data, optimizer, snapshots, trackers; resumed if a snapshot is there."""
 
-    def __init__(self, cfg: Any, env: DistEnv):
+    def __init__(self, cfg: Any, env: DistEnv, jobs: JobGroup | None = None):
         self.cfg, self.env = cfg, env
+        self.jobs = jobs or JobGroup()  # the jobs this one trains the model with (jobgroup.py): none by default
         runfiles.check_paths(cfg, env)  # before anything slow: a path that cannot be written is refused at once
         self.user = UserCode(PACKAGE, env)
         for line in self.user.misspelled() + self.user.unused():
@@ -87,15 +87,9 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.train_data, self.val_data = self.user.build_datasets(cfg)
         self.stream = isinstance(self.train_data, IterableDataset)
-        # Whose share of each step's data this rank trains on: its own among the job's ranks, or, with replica
-        # groups (--fault-tolerance torchft), among every group's ranks.
-        self.group = replicas.group_info() if replicas.requested(cfg) else None
-        self.data_env = env
-        if self.group is not None:
-            replicas.check_supported(cfg, self.stream)
-            self.data_env = dataclasses.replace(
-                env, rank=self.group.group * env.world_size + env.rank, world_size=self.group.groups * env.world_size
-            )
+        # Whose share of each step's data this rank trains on: its own among the job's ranks, or among the ranks
+        # of every job it trains with.
+        self.data_env = self.jobs.data_env(cfg, env, self.stream)
         self.global_batch = self.data_env.world_size * cfg.batch_size * cfg.grad_accum
         if not self.stream and len(self.train_data) < self.global_batch:
             raise RunError(
@@ -126,25 +120,10 @@ class Trainer:
             write_config(cfg, self.snapshots.directory)
         self._warn_about_settings()
 
-        self.parallel.wrap(resumed=self.resumed_from >= 0, replicated=self.group is not None)
+        self.parallel.wrap(resumed=self.resumed_from >= 0, with_other_jobs=not self.jobs.alone)
         self.last_saved = self.resumed_from if self.resumed_from >= 0 else None
         self.hang_watch = watchdog.HangWatch(env.rank, timeout * 0.8, cfg.log_file)  # stacks, before the timeout
-        self.replicas: replicas.ReplicaGroup | None = None
-        self._progress_at_quorum = dataclasses.asdict(self.progress)  # the data position a live group passes on
-        if self.group is not None:  # from here on, the groups meet at every step
-            self.replicas = replicas.ReplicaGroup(
-                self.group,
-                env,
-                self.progress.step,
-                distributed.collective_timeout(cfg),
-                self._shared_state,
-                self._load_shared_state,
-                self._healed,
-            )
-            self.replicas.attach(self.parallel.wrapped)  # the groups average the gradients during backward
-            self.stepper.replicas = self.replicas
-            distributed.barrier(env)  # every rank of the group is up before each starts watching the others
-            self.replicas.watch_siblings()
+        self.jobs.join(self)  # from here on, the jobs meet at every step
         self._timer = time.perf_counter()
         self._finite_at = -1  # the last step _check_finite found every loss and gradient so far finite
         # The random streams last, right before the first step, so nothing in between can draw from them.
@@ -218,7 +197,7 @@ class Trainer:
                 self.state.add(name, part, extra=True)
 
         self.stepper = Stepper(
-            self.parallel, self.optimizer, self.scheduler, self.scaler, self.user, cfg, env, self.progress
+            self.parallel, self.optimizer, self.scheduler, self.scaler, self.user, cfg, env, self.progress, self.jobs
         )
         if resumed is None:
             return None
@@ -232,9 +211,9 @@ class Trainer:
         cfg, env = self.cfg, self.env
         self.exports = runfiles.ExportFolder(env, cfg.export_dir, self.run_id)
         problem = None
-        # A replica group may take a live group's state and go on past its snapshot, keeping what it trained since:
-        # its metrics file drops a failed attempt's records only from the first step it logs
-        resumed_from = None if self.group is not None else self.resumed_from
+        # A job that trains with others may take their state and go on past its snapshot, keeping what it trained
+        # since: its metrics file drops a failed attempt's records only from the first step it logs
+        resumed_from = self.resumed_from if self.jobs.alone else None
         try:
             self.tracker = tracking.make_tracker(
                 env, cfg.wandb, cfg.wandb_project, self.run_id, cfg.to_dict(), cfg.metrics_file, resumed_from
@@ -271,66 +250,27 @@ class Trainer:
                 self.env.world_size,
             )
 
-    # -- replica groups (--fault-tolerance torchft) --------------------------------------------------------------
-
-    def _shared_state(self) -> dict[str, Any]:
-        """What a restarted replica group takes from this one: the snapshot's shared parts, copied as they are now
-        (the transfer may still run when this group's next optimizer step changes its tensors in place).
-
-        torchft asks for it while this group's step computes (the quorum runs alongside); the weights, optimizer and
-        schedule change only at the optimizer step, but the data position moves on when the step draws its data:
-        the position is the one at the step's start. Floating-point buffers (BatchNorm's statistics) change during
-        forward: the healed group's may be those of a moment later, and match the other groups' again once the next
-        step has averaged them."""
-        state = self.state.capture()[0]
-        state["progress"] = dict(self._progress_at_quorum)
-        return tree_map(lambda value: value.clone() if isinstance(value, torch.Tensor) else value, state)
-
-    def _load_shared_state(self, state: dict[str, Any]) -> None:
-        """A live group's state, the progress first, as a resume from a snapshot: the default learning-rate schedule
-        is a function of the samples seen."""
-        parts = self.state.shared
-        parts["progress"].load_state_dict(state["progress"])
-        for name, part in parts.items():
-            if name != "progress":
-                part.load_state_dict(state[name])
-
-    def _healed(self) -> None:
-        """This group took a live group's state at the end of a step: go on from the live groups' place in the data
-        after that step (this group's share of it counted as zero in the groups' average)."""
-        self.total_steps = self.length.steps(self.progress, self.global_batch)
-        if isinstance(self.batches, Batches):
-            self.batches.restart()
-            next(self.batches)  # the share of the step being committed now, which this group did not train
-        self.last_saved = None
-        group = self.group.group if self.group is not None else 0
-        log.info("replica group %d rejoined at step %d with a live group's state", group, self.progress.step)
+    # -- one optimizer step ------------------------------------------------------------------------------------
 
     def start_step(self, stop: StopRequest) -> bool:
-        """With replica groups: this step's quorum of the live groups, and the state of a live one if this group
-        is behind (a no-op otherwise). False: the job was asked to stop while its group waited for the others
-        before its first step; every rank of the job knows it then (`stop.stopped`)."""
-        if self.replicas is None:
-            return True
-        self._progress_at_quorum = dataclasses.asdict(self.progress)
-        if self.replicas.start_step(lambda: bool(stop.signal)):
+        """The start of a step among the jobs this one trains with (a no-op for a job alone). False: the job was
+        asked to stop while it waited for the others; every rank of the job knows it then (`stop.stopped`)."""
+        if self.jobs.start_step(lambda: bool(stop.signal)):
             return True
         stop.agree_now()
         return False
-
-    # -- one optimizer step ------------------------------------------------------------------------------------
 
     def forward_backward(self, micro_batches: list) -> None:
         """Forward and backward over the micro-batches of one optimizer step (step.py)."""
         self.stepper.forward_backward(micro_batches)
 
     def optimizer_step(self) -> bool:
-        """Clip, step, move the schedule and the step count on (step.py); False: the step was dropped (with replica
-        groups, when a group failed during it)."""
+        """Clip, step, move the schedule and the step count on (step.py); False: the jobs this one trains with
+        dropped the step (one failed during it)."""
         stepped = self.stepper.optimizer_step()
         self.hang_watch.beat()
         if not stepped and isinstance(self.batches, Batches):
-            self.batches.again()  # the dropped step's data, once more
+            self.batches.repeat_last_step()  # the dropped step's data, once more
         return stepped
 
     def due(self, every: int) -> bool:
@@ -458,8 +398,7 @@ class Trainer:
 
     def close(self, error: BaseException | None = None) -> None:
         """`error`: the exception that ends the run early, if one does."""
-        if self.replicas is not None:
-            self.replicas.close(error)
+        self.jobs.close(error)
         self.hang_watch.close()
         self.tracker.finish()
         self.exports.close()
@@ -563,7 +502,7 @@ class Trainer:
                 f"finite on every rank: a NaN or infinity arose in backward)"
             )
         where = ""
-        replayed = nonfinite.replay(self, step) if self.replicas is None else None
+        replayed = nonfinite.replay(self, step) if self.jobs.alone else None
         if replayed is not None:
             snapshot_step, origins = replayed
             command = nonfinite.replay_command(self.env, snapshot_step, step)
@@ -610,25 +549,26 @@ class Trainer:
         )
 
 
-def train(cfg: Any, env: DistEnv) -> Summary:
-    """Train until --max-steps or --epochs; resume from the newest good snapshot in --snapshot-dir if there is one."""
+def train(cfg: Any, env: DistEnv, jobs: JobGroup | None = None) -> Summary:
+    """Train until --max-steps or --epochs; resume from the newest good snapshot in --snapshot-dir if there is one.
+    `jobs`: the jobs this one trains the model with (jobgroup.py), if any."""
     cfg = replay_settings(cfg, env)  # --resume-from: a scratch copy of that snapshot is the run's snapshot folder
     with (
-        Trainer(cfg, env) as trainer,  # model, data, optimizer, snapshots: restored from the newest good snapshot
+        Trainer(cfg, env, jobs) as trainer,  # model, data, optimizer, snapshots: restored from the newest good snapshot
         StopRequest(env) as stop,
         progress_bar(env, trainer.total_steps, trainer.progress.step) as bar,
         DebugFlags(cfg, env, trainer.model, trainer.progress) as flags,  # --break-at-step, --profile-steps, ...
     ):
         progress, snapshots = trainer.progress, trainer.snapshots
         while progress.step < trainer.total_steps and not stop.stopped:
-            if not trainer.start_step(stop):  # --fault-tolerance torchft: the quorum of replica groups
+            if not trainer.start_step(stop):  # the jobs this one trains with, if any, start the step together
                 break
             trainer.forward_backward(flags.before_forward(next(trainer.batches)))
             # Between backward and the optimizer step, always: the save in flight must have copied the weights
             # before the optimizer changes them in place (a test fails when it moves).
             snapshots.wait_until_copied()
             if not trainer.optimizer_step():
-                continue  # a replica group failed during this step: it is dropped, and taken again with the same data
+                continue  # a job failed during this step: it is dropped, and taken again with the same data
             flags.after_step()  # before the snapshot: --check-replicas stops a run whose replicas drifted apart
             bar.update()
 
