@@ -28,6 +28,8 @@ OWN_LM = ROOT / "tests" / "own_lm"  # a transformer language model on a stream, 
 # bake's suite. Each `<name>_tests.py` runs in the bake as `tests/test_<name>.py`, with the bake's conftest.
 MACHINERY_TESTS = ROOT / "tests" / "machinery"
 HF_RECIPE_TESTS = ROOT / "tests" / "own_hf" / "hf_recipe_tests.py"  # docs/recipes.md with transformers, datasets
+# What the opt-in torchft replica groups (replica_groups=yes) leave in a bake: a bake without them names none of it.
+REPLICA_GROUP_TRACES = re.compile(r"torchft|replica[ _-]?group|fault[_-]tolerance", re.I)
 DEMO_BLOCK = re.compile(
     r"^[ \t]*# --- demo settings: delete them with the demo model and data ---\n"
     r".*?^[ \t]*# --- end of demo settings ---\n",
@@ -88,6 +90,30 @@ def assert_commands_aligned(project):
             if here is not None and before is not None and here != before:
                 ragged.append(f"{where}: {lines[number].strip()}")
     assert not ragged, "comments out of line with the line above:\n" + "\n".join(ragged)
+
+
+def assert_no_replica_groups(project):
+    """No file of the bake mentions torchft, replica groups or their --fault-tolerance setting, in its name or its
+    text. Left out: .cookiecutter.json (the recorded answer, replica_groups = no), and README.md, whose sections on
+    replica groups are still baked with every answer."""
+    traces = []
+    for path in sorted(p for p in project.rglob("*") if p.is_file()):
+        name = str(path.relative_to(project))
+        if name in (".cookiecutter.json", "README.md"):
+            continue
+        if re.search("torchft|replica", path.name, re.I):  # replicas.py, test_replica_groups.py
+            traces.append(name)
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        traces += [
+            f"{name}:{n}: {line.strip()}"
+            for n, line in enumerate(text.splitlines(), 1)
+            if REPLICA_GROUP_TRACES.search(line)
+        ]
+    assert not traces, "replica groups in a bake without them:\n" + "\n".join(traces)
 
 
 def assert_clean_bake(project):
@@ -159,6 +185,7 @@ def test_defaults_bake_a_project_that_passes_the_quick_part_of_its_tests(tmp_pat
     ]:
         assert (project / name).is_file(), name
     assert list((project / "scripts").glob("*.sbatch"))
+    assert_no_replica_groups(project)  # opt-in: replica_groups defaults to no
     run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FAST_OWN_TESTS)
     # The package type-checks with the settings in its pyproject.toml (mypy's basic mode).
     run_in(project, "-m", "mypy", "--no-incremental")
@@ -196,6 +223,7 @@ def test_the_machinerys_stress_tests_pass_in_a_default_bake(tmp_path):
 def test_rebake_from_the_recorded_answers_reproduces_the_project_byte_for_byte(tmp_path):
     """.cookiecutter.json holds every answer, so a re-bake from it (how a project pulls template updates) is exact."""
     answers = {**AWKWARD, "nproc_per_node": "3", "backend": "gloo", "use_wandb": "no", "debug_port": "7000"}
+    answers["replica_groups"] = "yes"
     answers["wandb_project"] = "awkward-runs"
     first = bake(tmp_path / "first", **answers)
     recorded = json.loads((first / ".cookiecutter.json").read_text(encoding="utf-8"))
@@ -299,6 +327,24 @@ def test_backend_choice_is_the_default_and_can_be_overridden(tmp_path, backend):
         run_in(project, *args, "--backend", "gloo")
     else:
         assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_replica_groups_yes_bakes_torchft_replica_groups_that_pass_their_tests(tmp_path):
+    """replica_groups=yes adds the opt-in torchft replica groups: the module, the setting, the dependency and the
+    tests, which run here (a default bake has none of them, and its suite none of these runs)."""
+    project = bake(tmp_path, replica_groups="yes")
+    assert_clean_bake(project)
+    assert (project / "ddp_project" / "machinery" / "replicas.py").is_file()
+    extras = tomllib.loads((project / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert [need for need in extras["ft"] + extras["dev"] if need.startswith("torchft")] == ["torchft>=0.2"] * 2
+    help_text = run_in(project, "train.py", "--help").stdout
+    assert "--fault-tolerance" in help_text and "torchft" in help_text
+    result = run_in(
+        project, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_replica_groups.py", timeout=900
+    )
+    summary = result.stdout.strip().splitlines()[-1]
+    assert re.search(r"\d+ passed", summary) and not re.search(r"failed|error|skipped", summary), summary
+    run_in(project, "-m", "mypy", "--no-incremental")  # the replica groups' module type-checks too
 
 
 def test_nproc_and_debug_port_reach_every_place_that_uses_them(tmp_path):
