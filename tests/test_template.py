@@ -29,7 +29,7 @@ OWN_LM = ROOT / "tests" / "own_lm"  # a transformer language model on a stream, 
 MACHINERY_TESTS = ROOT / "tests" / "machinery"
 HF_RECIPE_TESTS = ROOT / "tests" / "own_hf" / "hf_recipe_tests.py"  # docs/recipes.md with transformers, datasets
 # What the opt-in torchft replica groups (replica_groups=yes) leave in a bake: a bake without them names none of it.
-REPLICA_GROUP_TRACES = re.compile(r"torchft|replica[ _-]?group|fault[_-]tolerance", re.I)
+REPLICA_GROUP_TRACES = re.compile(r"torchft|replica[ _-]?group|--fault-tolerance|fault_tolerance", re.I)
 DEMO_BLOCK = re.compile(
     r"^[ \t]*# --- demo settings: delete them with the demo model and data ---\n"
     r".*?^[ \t]*# --- end of demo settings ---\n",
@@ -94,12 +94,12 @@ def assert_commands_aligned(project):
 
 def assert_no_replica_groups(project):
     """No file of the bake mentions torchft, replica groups or their --fault-tolerance setting, in its name or its
-    text. Left out: .cookiecutter.json (the recorded answer, replica_groups = no), and README.md, whose sections on
-    replica groups are still baked with every answer."""
+    text. Left out: .cookiecutter.json (the recorded answer, replica_groups = no), and the pages still baked with
+    every answer: README.md's one line on replica groups and docs/replica-groups.md."""
     traces = []
     for path in sorted(p for p in project.rglob("*") if p.is_file()):
         name = str(path.relative_to(project))
-        if name in (".cookiecutter.json", "README.md"):
+        if name in (".cookiecutter.json", "README.md", "docs/replica-groups.md"):
             continue
         if re.search("torchft|replica", path.name, re.I):  # replicas.py, test_replica_groups.py
             traces.append(name)
