@@ -11,7 +11,7 @@ REPLICA_GROUPS = {{ cookiecutter.replica_groups == "yes" }}
 # fmt: on
 
 if not REPLICA_GROUPS:  # opt-in torchft replica groups: their module and tests (other files hold the rest behind Jinja)
-    for path in (f"{SLUG}/machinery/replicas.py", "tests/test_replica_groups.py"):
+    for path in (f"{SLUG}/machinery/replicas.py", "tests/test_replica_groups.py", "docs/replica-groups.md"):
         os.remove(path)
 
 print(

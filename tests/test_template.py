@@ -94,12 +94,11 @@ def assert_commands_aligned(project):
 
 def assert_no_replica_groups(project):
     """No file of the bake mentions torchft, replica groups or their --fault-tolerance setting, in its name or its
-    text. Left out: .cookiecutter.json (the recorded answer, replica_groups = no), and the pages still baked with
-    every answer: README.md's one line on replica groups and docs/replica-groups.md."""
+    text. Left out: .cookiecutter.json (the recorded answer, replica_groups = no)."""
     traces = []
     for path in sorted(p for p in project.rglob("*") if p.is_file()):
         name = str(path.relative_to(project))
-        if name in (".cookiecutter.json", "README.md", "docs/replica-groups.md"):
+        if name == ".cookiecutter.json":
             continue
         if re.search("torchft|replica", path.name, re.I):  # replicas.py, test_replica_groups.py
             traces.append(name)
