@@ -3,6 +3,8 @@
 Your rooms are one level up: model.py, data.py and config.py (the seam: machinery/hooks.py lists every hook).
 
     trainer.py      the loop (`train()`) and the `Trainer` that puts the rooms below together
+    startup.py      a run's start: its parts built from the hooks, restored from the newest good snapshot
+    ending.py       a run's end: final snapshot, stop record, exported weights, summary
     hooks.py        the seam: the hooks of model.py and data.py, their defaults, the start-up check
     batches.py      progress, run length in samples, map-style data one optimizer step at a time
     stream.py       streaming data (IterableDataset): each rank's share, resumable
@@ -33,6 +35,7 @@ Your rooms are one level up: model.py, data.py and config.py (the seam: machiner
                     process the job's first attempt left with torch imported
     watchdog.py     a hung rank's stacks, before the collective timeout
     debug.py        attach a debugger to chosen ranks (DEBUG_RANK)
+    nonfinite.py    a NaN or infinite loss or gradient: the check at logs and snapshots, the replay naming its origin
     debugflags.py   --break-at-step, --profile-steps, --check-replicas: hooks at the start and end of a step
     plot.py         loss curves from the metrics file (python -m <package>.machinery.plot)
     baked.py        the answers the project was generated with

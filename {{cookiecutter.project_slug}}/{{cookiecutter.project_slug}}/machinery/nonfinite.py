@@ -17,7 +17,7 @@ import shlex
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -25,8 +25,12 @@ from torch import nn
 from . import distributed
 from .batches import Batches, tensors_in
 from .distributed import DistEnv
+from .settings import RunError, flag
 from .snapshot import restore_rng, step_name
 from .state import all_finite
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
 
 log = logging.getLogger(__name__)
 REPLAY_FLAGS = ("--resume-from", "--break-at-step")
@@ -121,3 +125,46 @@ def replay_command(env: DistEnv, snapshot_step: int, bad_step: int) -> str:
     launcher = f"torchrun --standalone --nproc_per_node={env.world_size}" if env.is_distributed else "python"
     replay_args = ["--resume-from", str(snapshot_step), "--break-at-step", str(bad_step)]
     return f"{launcher} {shlex.join([script, *args, *replay_args])}"
+
+
+def check_finite(trainer: Trainer) -> None:
+    """Stop the run (every rank at once) when a step so far had a NaN or infinite loss or gradient: the
+    weights it made are not saved, and the newest snapshot is from before it. Once a step (a step that both
+    logs and saves asks twice; every rank alike)."""
+    if trainer.finite_until == trainer.progress.step:
+        return
+    found = trainer.stepper.first_nonfinite()
+    if found is None:
+        trainer.finite_until = trainer.progress.step
+        return
+    step, ranks = found
+    if ranks:
+        what = f"the loss is not finite at step {step} on {', '.join(f'rank {rank}' for rank in ranks)}"
+    else:
+        what = (
+            f"the gradient is not finite at step {step} on every rank (averaged over the ranks; the loss was "
+            f"finite on every rank: a NaN or infinity arose in backward)"
+        )
+    where = ""
+    replayed = replay(trainer, step) if trainer.jobs.alone else None
+    if replayed is not None:
+        snapshot_step, origins = replayed
+        command = replay_command(trainer.env, snapshot_step, step)
+        where = f"; replayed from step {snapshot_step}, {describe(origins)}; to step into it: {command}"
+    raise RunError(
+        f"{what}{where}. The run stops, and no snapshot is saved from that step on (newest: step "
+        f"{trainer.last_saved}). Lower {flag('lr')}, set {flag('clip_grad')}, or check the data and the model; then "
+        "run the same command again to resume from that snapshot"
+    )
+
+
+def synced_loss(trainer: Trainer) -> float:
+    """The mean training loss since the last log, over every rank; a NaN or infinite one stops the run."""
+    try:
+        return trainer.stepper.mean_loss()
+    except FloatingPointError:
+        raise RunError(
+            f"the training loss is not finite at step {trainer.progress.step}: the run diverged, so no snapshot is "
+            f"saved over the good ones (newest: step {trainer.last_saved}). Lower {flag('lr')}, set "
+            f"{flag('clip_grad')}, or check the data; then run the same command again to resume from that snapshot"
+        ) from None

@@ -1,0 +1,99 @@
+"""A run's end: the final snapshot, the stop record of a stopped job, the exported weights and the summary."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from . import identity
+from .report import Summary, snapshot_size, val_text, write_summary
+from .snapshot import step_name, write_json_atomic
+from .stop import STOP_RECORD, StopRequest
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+def finish(trainer: Trainer, stop: StopRequest) -> Summary:
+    """Final snapshot, export and summary (also for a run that was already complete when it started)."""
+    # The flag-only handlers stay until train() leaves its StopRequest: torchrun SIGTERMs this rank as soon as
+    # another stopped rank has exited, and the default action would end it before its stop record is written
+    # (then the restart trains on, and the job ends with code 0)
+    stop.close(restore_handlers=False)
+    stopped = stop.stopped
+    if stopped:
+        trainer.warn_once(
+            "stopping at step %d of %d on signal %d: saving a snapshot; run the same command again to resume",
+            trainer.progress.step,
+            trainer.total_steps,
+            stop.signal,
+        )
+    if trainer.last_saved != trainer.progress.step:
+        trainer.save_snapshot(blocking=True)
+    trainer.snapshots.wait()
+    if stopped and trainer.env.is_main:
+        write_json_atomic(
+            os.path.join(trainer.snapshots.directory, STOP_RECORD),
+            {"job": identity.current_job(), "step": trainer.progress.step, "signal": stop.signal},
+        )
+    summary = run_summary(
+        trainer, already_complete=trainer.resumed_from >= trainer.total_steps, stop_signal=stop.signal if stopped else 0
+    )
+    if not stopped:
+        trainer.export("model.pt")  # final weights only from a run that finished
+    if trainer.env.is_main:
+        write_summary(summary, trainer.exports.directory)  # a stopped run's too, with its stop_signal
+    if summary.already_complete:
+        log.info(
+            "already complete: %d of %d steps, last loss %.4f%s; nothing to train (raise --max-steps or "
+            "--epochs to train on, or pass --resume never to start over)",
+            summary.steps,
+            summary.total_steps,
+            summary.last_loss,
+            val_text(summary),
+        )
+    elif not stopped:
+        log.info(
+            "done: %d rank(s), %d steps%s, loss %.4f -> %.4f%s",
+            summary.world_size,
+            summary.steps,
+            f" (resumed at step {trainer.resumed_from})" if trainer.resumed_from >= 0 else "",
+            summary.first_loss,
+            summary.last_loss,
+            val_text(summary),
+        )
+    log.info(
+        "snapshots: %s (newest %s); exported weights: %s",
+        summary.snapshot_dir,
+        summary.newest_snapshot,
+        trainer.exports.directory,
+    )
+    return summary
+
+
+def run_summary(trainer: Trainer, already_complete: bool, stop_signal: int) -> Summary:
+    cfg, progress = trainer.cfg, trainer.progress
+    return Summary(
+        run_id=trainer.run_id,
+        world_size=trainer.env.world_size,
+        steps=progress.step,
+        total_steps=trainer.total_steps,
+        resumed_from=trainer.resumed_from,
+        samples_seen=progress.samples_seen,
+        first_loss=progress.first_loss,
+        last_loss=progress.last_loss,
+        val_loss=progress.val_loss,
+        best_val_loss=progress.best_val_loss,
+        best_step=progress.best_step,
+        snapshot_dir=trainer.snapshots.directory,
+        newest_snapshot=step_name(progress.step),
+        export_dir=trainer.exports.directory,
+        log_file=os.path.abspath(cfg.log_file.replace("{rank}", "0")) if cfg.log_file else "",
+        metrics_file=trainer.metrics_file,
+        already_complete=already_complete,
+        stop_signal=stop_signal,
+        snapshot_bytes=snapshot_size(os.path.join(trainer.snapshots.directory, step_name(progress.step))),
+    )
