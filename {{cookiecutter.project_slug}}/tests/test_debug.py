@@ -321,7 +321,7 @@ def test_attach_to_rank_2_of_3_outlives_the_collective_timeout(tmp_path, cleanup
     print(f"\nattach: {time.monotonic() - started:.1f} s from launch to the first stop")
     assert stopped["reason"] == "breakpoint"
     assert (frame["source"]["path"], frame["line"]) == (str(source), line)
-    assert session.evaluate('os.environ["RANK"]', frame["id"]) == "'2'"
+    assert session.evaluate('__import__("os").environ["RANK"]', frame["id"]) == "'2'"
     assert session.evaluate("self.env.rank, self.env.world_size", frame["id"]) == "(2, 3)"
     assert session.evaluate("self.progress.step", frame["id"]) == "0", "it waited for the debugger before step 1"
 
@@ -359,7 +359,7 @@ def test_debug_rank_all_stops_every_rank_and_a_rank_condition_stops_one(tmp_path
 
     # The conditional breakpoint of docs/debugging.md: only rank 1 stops on the next line.
     for session in sessions:
-        session.set_breakpoints(source, [second], condition='os.environ["RANK"] == "1"')
+        session.set_breakpoints(source, [second], condition='__import__("os").environ["RANK"] == "1"')
         session.request("continue", threadId=0)
     _, frame = sessions[1].stopped_frame()
     assert frame["line"] == second

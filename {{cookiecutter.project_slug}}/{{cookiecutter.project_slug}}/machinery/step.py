@@ -43,7 +43,7 @@ class Stepper:
         cfg: Any,
         env: DistEnv,
         progress: Progress,
-        jobs: JobGroup,
+        jobs: JobGroup | None = None,
     ):
         self.parallel, self.optimizer, self.scheduler, self.scaler = parallel, optimizer, scheduler, scaler
         self.user, self.cfg, self.env, self.progress = user, cfg, env, progress
@@ -51,7 +51,7 @@ class Stepper:
         self.loss_steps = 0
         self.grad_norm = torch.zeros((), device=env.device)
         self.lr = optimizer.param_groups[0]["lr"]  # the learning rate of the last step (the first group's)
-        self.jobs = jobs  # the jobs this one trains with (jobgroup.py): their gradients are averaged in
+        self.jobs = jobs or JobGroup()  # the jobs this one trains with (jobgroup.py): their gradients are averaged in
         self._step_loss = torch.zeros((), device=env.device)
         # The first step whose loss (this rank's own) or gradient (the step's, over every rank) was not finite:
         # marked on the device at every step, without waiting for it, and read where the loop syncs anyway (log,
