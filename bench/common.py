@@ -19,10 +19,11 @@ BARE = BENCH / "bare_ddp.py"
 FAILED_ATTEMPT = "failed (exitcode: "
 
 
-def bake(scratch):
-    """Bake the template with its defaults into `scratch`; return (project folder, package name)."""
+def bake(scratch, **answers):
+    """Bake the template with its defaults (or these answers) into `scratch`; return (project folder, package name)."""
     subprocess.run(
-        [sys.executable, "-m", "cookiecutter", "--no-input", "--overwrite-if-exists", str(ROOT), "-o", str(scratch)],
+        [sys.executable, "-m", "cookiecutter", "--no-input", "--overwrite-if-exists", str(ROOT), "-o", str(scratch)]
+        + [f"{key}={value}" for key, value in answers.items()],
         check=True,
         stdout=subprocess.DEVNULL,
     )

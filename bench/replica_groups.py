@@ -270,7 +270,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3, help="runs of each kind per width, alternating")
     options = parser.parse_args()
     scratch = scratch_dir("replica-groups-")
-    project, package = bake(scratch)
+    project, package = bake(scratch, replica_groups="yes")
     meter = CpuMeter()
     imports = import_costs(project, package)
     steady = [steady_state(project, scratch / f"steady-{w}", w, options.steps, options.repeats) for w in options.widths]

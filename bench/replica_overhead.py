@@ -52,7 +52,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=4)
     options = parser.parse_args()
     scratch = scratch_dir("replica-overhead-")
-    project, _ = bake(scratch)
+    project, _ = bake(scratch, replica_groups="yes")
     folder = scratch / "runs"
     folder.mkdir()
     args = BASE + ["--max-steps", str(options.steps), "--width", str(options.width)]
