@@ -1,4 +1,5 @@
-"""Where a NaN or infinity came from: the step that made it, trained again from the newest snapshot before it, with
+"""A NaN or infinite loss or gradient: the check that stops the run (`check_finite`, at each log and snapshot), and
+where it came from: the step that made it, trained again from the newest snapshot before it, with
 hooks that name the first module whose forward output, or else the first parameter whose gradient, was not finite.
 
 Exact resume makes the replay faithful: the same weights, data and random streams give the same numbers (CPU, the
