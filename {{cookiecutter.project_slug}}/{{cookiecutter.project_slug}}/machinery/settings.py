@@ -215,11 +215,12 @@ def build_parser(config_cls: type) -> argparse.ArgumentParser:
         "e.g. batch_size = 64); flags on the command line override it",
     )
     fields = settings(config_cls)
-    titles = list(dict.fromkeys(group_title(config_cls, setting.name) for setting in fields))
-    own = group_title(config_cls, "") if inspect.get_annotations(config_cls) else None
-    groups = {title: parser.add_argument_group(title) for title in sorted(titles, key=lambda title: title != own)}
-    for setting in fields:
-        group = groups[group_title(config_cls, setting.name)]
+    owners = [declared_by(config_cls, setting.name) for setting in fields]
+    # One group per class that declares settings, the class's own first (its settings may override the others').
+    order = sorted(dict.fromkeys(owners), key=lambda owner: owner is not config_cls)
+    groups = {owner: parser.add_argument_group(group_title(owner)) for owner in order}
+    for setting, owner in zip(fields, owners, strict=True):
+        group = groups[owner]
         if setting.type is bool:
             group.add_argument(
                 flag(setting.name),
@@ -243,16 +244,17 @@ def build_parser(config_cls: type) -> argparse.ArgumentParser:
     return parser
 
 
-def group_title(config_cls: type, name: str) -> str:
-    """The --help group of a field: the first line of the docstring of the class that declares it (the last to);
-    the class's own group for name ''. The class's own group comes first in --help."""
-    for owner in config_cls.__mro__:
-        if name in inspect.get_annotations(owner) or not name:
-            doc = owner.__dict__.get("__doc__") or ""
-            if doc and not doc.startswith(f"{owner.__name__}("):  # dataclass writes its signature where none is
-                return doc.strip().splitlines()[0]
-            return f"settings of {owner.__name__}"
-    return "settings"
+def declared_by(config_cls: type, name: str) -> type:
+    """The class that declares field `name` of `config_cls` (the last to, when a subclass declares it again)."""
+    return next((owner for owner in config_cls.__mro__ if name in inspect.get_annotations(owner)), config_cls)
+
+
+def group_title(owner: type) -> str:
+    """The --help group of the settings `owner` declares: the first line of its docstring."""
+    doc = owner.__dict__.get("__doc__") or ""
+    if doc and not doc.startswith(f"{owner.__name__}("):  # dataclass writes its signature where none is
+        return doc.strip().splitlines()[0]
+    return f"settings of {owner.__name__}"
 
 
 def _toml_kind(value: Any) -> str:
