@@ -21,8 +21,9 @@ def test_a_second_ctrl_c_interrupts_at_once_but_torchrun_s_copy_of_the_first_doe
     from ddp_project.machinery.distributed import DistEnv
     from ddp_project.machinery.stop import StopRequest
 
-    if under_torchrun:
+    if under_torchrun:  # a rank's environment under torchrun
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+        monkeypatch.setenv("LOCAL_RANK", "0")
     else:
         monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     before = signal.getsignal(signal.SIGINT)

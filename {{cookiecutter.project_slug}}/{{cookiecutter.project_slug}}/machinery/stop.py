@@ -53,7 +53,7 @@ class StopRequest:
         self._interrupts = 0
         # torchrun forwards each Ctrl-C it gets to its workers (on a loaded machine seconds later), so a worker under
         # torchrun receives every Ctrl-C of a terminal twice: the user's second one is its third SIGINT.
-        self._interrupts_per_ctrl_c = 2 if "TORCHELASTIC_RUN_ID" in os.environ else 1
+        self._interrupts_per_ctrl_c = 2 if identity.torchrun_worker() else 1
         self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
 
     def _handle(self, signum, frame):
