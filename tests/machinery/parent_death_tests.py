@@ -25,6 +25,17 @@ def alive(pid):
         return False
 
 
+def kill_all(pids, parent):
+    """However a test ends: SIGKILL the children still alive, then their parent, and close its output."""
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    if parent.poll() is None:
+        parent.kill()
+    parent.wait()
+    parent.stdout.close()
+
+
 # A parent (playing torchrun's agent) starts a child that calls WATCH, then both wait; the child touches argv[1]
 # once it is armed and prints its pid.
 PARENT = """
@@ -56,11 +67,7 @@ def test_child_dies_when_its_parent_is_killed(tmp_path, watch):
         parent.wait()
         wait_for(lambda: not alive(child), timeout=10, what="the child to die with its parent")
     finally:
-        kill_all([child])
-        if parent.poll() is None:
-            parent.kill()
-        parent.wait()
-        parent.stdout.close()
+        kill_all([child], parent)
 
 
 # A torchrun worker: arms itself, says so through a file, then works until killed.
@@ -72,12 +79,6 @@ exit_with_parent()
 pathlib.Path(sys.argv[1], os.environ["RANK"]).touch()
 time.sleep(600)
 """
-
-
-def kill_all(pids):
-    for pid in pids:
-        if alive(pid):
-            os.kill(pid, signal.SIGKILL)
 
 
 def test_torchrun_workers_that_call_exit_with_parent_die_with_their_agent(tmp_path):
@@ -101,11 +102,7 @@ def test_torchrun_workers_that_call_exit_with_parent_die_with_their_agent(tmp_pa
             what="the workers to die with their agent",
         )
     finally:
-        kill_all(workers.values())
-        if agent.poll() is None:
-            agent.kill()
-        agent.wait()
-        agent.stdout.close()
+        kill_all(workers.values(), agent)
 
 
 def committed_steps(folder):
@@ -142,8 +139,4 @@ def test_training_workers_die_when_their_torchrun_agent_is_killed(tmp_path):
         time.sleep(3)
         assert committed_steps(folder) == settled, "snapshots were committed after the job's workers were dead"
     finally:
-        kill_all(workers.values())
-        if agent.poll() is None:
-            agent.kill()
-        agent.wait()
-        agent.stdout.close()
+        kill_all(workers.values(), agent)
