@@ -109,8 +109,10 @@ def run(cfg: config.Config) -> Summary:
         raise SystemExit(1) from None
     finally:
         distributed.teardown(clean=finished)
-    if summary.stop_signal:
-        sys.exit(128 + summary.stop_signal)  # stopped early (preempted): not a success, so schedulers re-run it
+    code = 128 + summary.stop_signal if summary.stop_signal else 0  # stopped early: not a success, to re-run it
+    jobs.end_process(code)  # the run's files are written: a job group may end the process here
+    if code:
+        sys.exit(code)
     return summary
 
 

@@ -118,6 +118,13 @@ def finished(job, timeout=300):
     return job.returncode, Path(job.output).read_text()
 
 
+def shown(out):
+    """A failed job's output for the failure message: its end, after the first lines of a native crash (an abort's
+    thread dump can fill the end)."""
+    crash = ("terminate called", "Fatal Python error", "thread '")
+    return "\n".join([line for line in out.splitlines() if line.startswith(crash)][:5] + ["...", out[-5000:]])
+
+
 def workers(job):
     return rank_pids(lambda pid, parent, cmdline: parent == job.pid)
 
@@ -185,7 +192,7 @@ def test_live_group_trains_on_while_a_killed_group_restarts_and_heals(tmp_path, 
     end = max(clock.last_step() for clock in clocks) + 10
     results = [finished(job) for job in group_jobs(port, args + ["--max-steps", str(end)], 0, tmp_path)]
     for group, (code, out) in enumerate(results):
-        assert code == 0, f"group {group}:\n{out[-5000:]}"
+        assert code == 0, f"group {group}:\n{shown(out)}"
     finals = [torch.load(tmp_path / "export" / f"group{g}" / "model.pt", weights_only=True) for g in range(GROUPS)]
     assert [clock.last_step() for clock in clocks] == [end] * GROUPS
     assert finals[0].keys() == finals[1].keys()

@@ -51,6 +51,10 @@ class JobGroup:
     def close(self, error: BaseException | None = None) -> None:
         """At the end of the run; `error`: the exception that ends it early, if one does."""
 
+    def end_process(self, code: int) -> None:
+        """After a run that ended without an error, its files written and the process group left: the process is
+        about to exit with `code`. Here it returns, and the interpreter exits as usual."""
+
 
 def for_run(cfg: Any) -> JobGroup:
     """The job group the settings ask for. Called before the log file is opened: a group may give each of its jobs

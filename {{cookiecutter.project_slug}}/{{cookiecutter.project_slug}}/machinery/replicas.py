@@ -51,6 +51,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import sys
 import threading
 import time
 import warnings
@@ -486,6 +487,18 @@ class ReplicaGroup(JobGroup):
         self._pg.shutdown()
         if error is not None and quorum is not None and not quorum.done():
             self._leave_soon(2 if isinstance(error, RunError) else 1)
+
+    def end_process(self, code: int) -> None:
+        """Exit now, without the interpreter's shutdown: torchft's manager, its process groups and their native
+        threads would be torn down in it, in an order the process does not control, and one of them can abort it
+        (SIGABRT) after a run that succeeded. Everything the run writes is closed by now; the log is flushed here.
+        Not under a debugger, which sees the process end as usual."""
+        if os.environ.get("DEBUGPY_RUNNING") or postmortem_requested():
+            return
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
 
     def _leave_soon(self, code: int) -> None:
         """A run that fails while a quorum is being formed: torchft's quorum thread waits for the quorum (for up to
