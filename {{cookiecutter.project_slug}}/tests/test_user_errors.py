@@ -147,6 +147,33 @@ def test_ranks_that_disagree_on_the_kind_of_step_are_told_at_the_first_step_with
     assert out.count("Traceback (most recent call last)") == 1, "torchrun's own only:\n" + out[-4000:]
 
 
+# -- map-style data split per rank ------------------------------------------------------------------------------------
+
+SPLIT_PER_RANK = """
+import os
+
+whole_datasets = build_datasets
+
+
+def build_datasets(cfg):
+    train, val = whole_datasets(cfg)
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    share = list(range(rank, len(train), world_size))
+    return torch.utils.data.Subset(train, share[: len(share) - rank]), val  # an odd-sized split: rank 1's is shorter
+"""
+
+
+def test_map_style_data_split_per_rank_is_refused_at_start_up_in_one_line(tmp_path):
+    workspace = project(tmp_path, data=SPLIT_PER_RANK)
+    result = train_in(workspace, tmp_path, SHORT, nproc=2, torchrun_args=["--max-restarts=0"])
+    out = result.stdout
+    assert result.returncode != 0, out[-4000:]
+    (error,) = records(out, "ERROR")
+    assert "build_datasets" in error and "rank 0" in error and "rank 1" in error, error
+    assert out.count("Traceback (most recent call last)") == 1, "torchrun's own only:\n" + out[-4000:]
+    assert not list(tmp_path.glob("run-snapshots/step-*"))
+
+
 # -- a hook that raises in a DataLoader worker -----------------------------------------------------------------------
 
 COLLATE_RAISES = """

@@ -56,6 +56,23 @@ class ScalerPart:
             self.scaler.load_state_dict(state)
 
 
+def check_same_data(env: distributed.DistEnv, train: Any, val: Any) -> None:
+    """Map-style data is the whole dataset on every rank: the trainer gives each rank its share. Datasets whose
+    lengths differ between ranks (split per rank) are refused; a stream may be split per rank (stream.py)."""
+    if not env.is_distributed:
+        return
+    for kind, dataset in (("training", train), ("validation", val)):
+        lengths = distributed.all_gather_int(env, -1 if dataset is None else len(dataset))
+        if len(set(lengths)) > 1:
+            shown = ", ".join(f"rank {rank}: {'none' if n < 0 else n}" for rank, n in enumerate(lengths))
+            raise RunError(
+                f"build_datasets in data.py returned {kind} sets of different lengths on different ranks ({shown}): "
+                "return the whole dataset on every rank, the trainer gives each rank its share of it (a map-style "
+                "dataset split per rank, e.g. with datasets.distributed.split_dataset_by_node, would train on part "
+                "of each share only; only a stream, an IterableDataset, may be split per rank)"
+            )
+
+
 def build_and_restore(trainer: Trainer) -> dict | None:
     """The run id, the optimizer, the schedule and the data, restored from the newest good snapshot if there is
     one; return this rank's random streams to restore last (None: re-seed them)."""
