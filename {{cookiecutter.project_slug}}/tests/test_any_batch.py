@@ -8,6 +8,7 @@ import collections
 import contextlib
 import dataclasses
 import io
+import random
 import sys
 import types
 
@@ -15,11 +16,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import ROOT
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 sys.path.insert(0, str(ROOT))
 
-from {{ cookiecutter.project_slug }}.machinery.batches import Progress, to_device
+from {{ cookiecutter.project_slug }}.machinery.batches import Batches, Progress, to_device
 from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
 from {{ cookiecutter.project_slug }}.machinery.hooks import UserCode, as_step_result
 from {{ cookiecutter.project_slug }}.machinery.stream import RankShare, StreamBatches, StreamEnded, shards_itself
@@ -155,6 +156,44 @@ def test_a_stream_resumed_with_another_batch_size_and_accumulation_continues_at_
     resumed.load_state_dict(first.state_dict())
     assert taken == [1, 3, 5, 7, 9, 11]
     assert next(resumed)[0].tolist() == [13, 15, 17, 19]
+
+
+# -- random augmentation in DataLoader workers ---------------------------------------------------------------------
+
+
+class Augmented(Dataset):
+    """Items with a random augmentation, drawn from torch's and Python's streams, as image pipelines do."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, index):
+        return torch.tensor([index, torch.rand(()).item(), random.random()], dtype=torch.float64)
+
+
+class AugmentedByBatch(Augmented):
+    """Read a batch at once, as Hugging Face datasets do."""
+
+    def __getitems__(self, indices):
+        return [self[index] for index in indices]
+
+
+@pytest.mark.parametrize(("grad_accum", "dataset"), [(1, Augmented), (2, AugmentedByBatch)])
+def test_augmented_items_read_by_workers_are_the_same_after_a_resume_mid_epoch(grad_accum, dataset):
+    """A resume skips the items already trained: each item's draws are its own, not a worker's next ones. With
+    persistent workers over two and a half epochs, from a resume in the second epoch."""
+    cfg = types.SimpleNamespace(batch_size=2, grad_accum=grad_accum, num_workers=2, seed=3)
+    steps = 30 // grad_accum  # 12 // grad_accum steps per epoch
+
+    def taken(progress, count):
+        batches = Batches(dataset(), cfg, DistEnv(), progress, None)
+        return [torch.cat(next(batches)) for _ in range(count)]
+
+    whole = taken(Progress(), steps)
+    at = 17 // grad_accum  # a snapshot's position: 5 // grad_accum steps into the second epoch
+    resumed = taken(Progress(epoch=1, samples_in_epoch=(at - 12 // grad_accum) * 2 * grad_accum), steps - at)
+    assert all(torch.equal(a, b) for a, b in zip(whole[at:], resumed, strict=True))
+    assert len({float(item[1]) for step in whole for item in step}) == 2 * 30, "every item drew its own numbers"
 
 
 # -- a token-weighted loss over ranks with unequal counts ------------------------------------------------------------

@@ -8,13 +8,16 @@ leaves other values alone.
 
 import copy
 import dataclasses
+import hashlib
 import math
+import random
+import sys
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sized
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
 
 from .distributed import DistEnv
 from .settings import RunError, flag
@@ -117,10 +120,11 @@ class ResumableSampler(DistributedSampler):
     them at the index level, without loading them, and continues with the rest.
     """
 
-    def __init__(self, dataset: Dataset, env: DistEnv, seed: int, samples_per_rank_step: int):
+    def __init__(self, dataset: Dataset, env: DistEnv, seed: int, samples_per_rank_step: int, keyed: bool = False):
         super().__init__(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed, drop_last=True)
         self.samples_per_rank_step = samples_per_rank_step
         self.start = 0
+        self.keyed = keyed  # yield epoch * len(dataset) + index, the keys of `SeededItems`
 
     def set_position(self, epoch: int, start: int) -> None:
         self.set_epoch(epoch)
@@ -137,7 +141,48 @@ class ResumableSampler(DistributedSampler):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(_size(self.dataset), generator=generator)
         order = order[self.start : self.start + self.steps() * self.num_replicas * self.samples_per_rank_step]
+        if self.keyed:
+            order = order + self.epoch * _size(self.dataset)
         return iter(order[self.rank :: self.num_replicas].tolist())
+
+
+class SeededItems(Dataset):
+    """A map-style dataset as DataLoader workers read it: each item is drawn with random streams seeded from the
+    run's seed, the epoch and the item's index (torch's, Python's and NumPy's), so a random augmentation gives an
+    item the same draws whichever worker reads it and whenever. A worker's own streams would move on with every
+    item it reads (and persist across epochs): a resume, which skips the items already trained, would draw others.
+
+    It is read by keys, epoch * len(dataset) + index (ResumableSampler with keyed=True). A dataset that reads a
+    batch at once (`__getitems__`, e.g. Hugging Face's) is seeded once per batch, from its first key."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed, self.size = dataset, seed, _size(dataset)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, key: int) -> Any:
+        epoch, index = divmod(key, self.size)
+        self._seed(epoch, index)
+        return self.dataset[index]
+
+    def __getitems__(self, keys: list[int]) -> list:
+        read_batch = getattr(self.dataset, "__getitems__", None)
+        if not read_batch:
+            return [self[key] for key in keys]
+        self._seed(*divmod(keys[0], self.size))
+        return read_batch([key % self.size for key in keys])
+
+    def _seed(self, epoch: int, index: int) -> None:
+        if get_worker_info() is None:  # not in a worker: the process's own streams, saved in every snapshot
+            return
+        digest = hashlib.blake2b(f"{self.seed}/{epoch}/{index}".encode(), digest_size=8).digest()
+        value = int.from_bytes(digest, "little") >> 1
+        torch.default_generator.manual_seed(value)
+        random.seed(value)
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            numpy.random.seed(value % 2**32)
 
 
 class Batches:
@@ -151,10 +196,11 @@ class Batches:
     def __init__(self, dataset: Dataset, cfg: Any, env: DistEnv, progress: Progress, collate: Callable | None):
         self.cfg, self.env, self.progress = cfg, env, progress
         self.global_batch = env.world_size * cfg.batch_size * cfg.grad_accum
-        self.sampler = ResumableSampler(dataset, env, cfg.seed, cfg.batch_size * cfg.grad_accum)
+        workers = cfg.num_workers > 0  # their items are seeded one by one: see SeededItems
+        self.sampler = ResumableSampler(dataset, env, cfg.seed, cfg.batch_size * cfg.grad_accum, keyed=workers)
         self.generator = torch.Generator()  # explicit, so starting an epoch never draws from the global RNG
         self.loader = DataLoader(
-            dataset,
+            SeededItems(dataset, cfg.seed) if workers else dataset,
             batch_size=cfg.batch_size,
             sampler=self.sampler,
             drop_last=True,
