@@ -402,3 +402,21 @@ def test_fresh_start_of_a_restarted_job_resumes_its_own_snapshots(tmp_path, monk
     assert new_id != run_id
     assert snapshots.resume() is None
     snapshots.close()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # a save in one process, without a group: meant
+def test_a_sharded_snapshots_extra_part_is_read_back_whole_with_its_nesting(tmp_path):
+    """load_latest reads an fsdp snapshot's parts from torch.distributed.checkpoint's files: a part of model.py's
+    extra_state whose state_dict nests dicts comes back with every entry, as the part saved it."""
+    import torch.distributed.checkpoint as dcp
+
+    from {{ cookiecutter.project_slug }}.machinery.snapshot.format import read_sharded_model
+
+    ema = {"shadow": {"layer.weight": torch.arange(6.0).reshape(2, 3), "layer.bias": torch.ones(2)}, "updates": 7}
+    model = {"layer.weight": torch.zeros(2, 3)}
+    dcp.save({"ema": ema, "model": model}, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    read = read_sharded_model(str(tmp_path), "ema")
+    assert read.keys() == {"shadow", "updates"} and read["updates"] == 7
+    assert read["shadow"].keys() == ema["shadow"].keys()
+    assert all(torch.equal(read["shadow"][name], ema["shadow"][name]) for name in ema["shadow"])
+    assert read_sharded_model(str(tmp_path)).keys() == {"layer.weight"}

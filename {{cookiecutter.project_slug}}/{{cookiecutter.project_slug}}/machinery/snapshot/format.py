@@ -321,11 +321,12 @@ def sharded_parts(folder: str) -> list[str]:
     return sorted({key.split(".", 1)[0] for key in metadata.state_dict_metadata})
 
 
-def read_sharded_model(folder: str, prefix: str = "model") -> dict[str, torch.Tensor]:
-    """The "model" entry of a torch.distributed.checkpoint folder as a plain state_dict of full-size CPU tensors
-    (no DTensor), without a process group: the metadata gives each entry's global size and dtype, so empty tensors
-    of those are made for the model's entries only and DCP fills them from every rank's shards. The optimizer's
-    entries are never read."""
+def read_sharded_model(folder: str, prefix: str = "model") -> dict[str, Any]:
+    """The "model" entry (or another part's, `prefix`) of a torch.distributed.checkpoint folder as a plain
+    state_dict of full-size CPU tensors (no DTensor), without a process group: the metadata gives each entry's
+    global size and dtype, so empty tensors of those are made for that entry only and DCP fills them from every
+    rank's shards. The optimizer's entries are never read. A part's nested dicts come back nested (a list in it
+    comes back as a dict keyed by position)."""
     reader = dcp.FileSystemReader(folder)
     try:
         metadata = reader.read_metadata()
@@ -335,12 +336,15 @@ def read_sharded_model(folder: str, prefix: str = "model") -> dict[str, torch.Te
     state: dict[str, Any] = {}
     for flat_key, item in metadata.state_dict_metadata.items():
         path = paths.get(flat_key) or (prefix, flat_key[len(prefix) + 1 :])
-        if path[0] != prefix or len(path) != 2 or not flat_key.startswith(prefix + "."):
+        if path[0] != prefix or len(path) < 2 or not flat_key.startswith(prefix + "."):
             continue
+        holder = state
+        for key in path[1:-1]:
+            holder = holder.setdefault(key, {})
         if isinstance(item, TensorStorageMetadata):
-            state[path[1]] = torch.empty(item.size, dtype=item.properties.dtype, device="cpu")
+            holder[path[-1]] = torch.empty(item.size, dtype=item.properties.dtype, device="cpu")
         elif isinstance(item, BytesStorageMetadata):
-            state[path[1]] = None  # a pickled non-tensor (a module's _extra_state): load puts it in place
+            holder[path[-1]] = None  # a pickled non-tensor (a module's _extra_state): load puts it in place
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no process group: meant
         dcp.load({prefix: state}, storage_reader=reader, no_dist=True)
