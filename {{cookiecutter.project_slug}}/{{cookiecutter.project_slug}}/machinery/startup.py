@@ -58,7 +58,8 @@ class ScalerPart:
 
 def check_same_data(env: distributed.DistEnv, train: Any, val: Any) -> None:
     """Map-style data is the whole dataset on every rank: the trainer gives each rank its share. Datasets whose
-    lengths differ between ranks (split per rank) are refused; a stream may be split per rank (stream.py)."""
+    lengths differ between ranks (split per rank) are refused; a stream (`train` None here) may be split per rank
+    (stream.py)."""
     if not env.is_distributed:
         return
     for kind, dataset in (("training", train), ("validation", val)):

@@ -80,8 +80,7 @@ class Trainer:
         # of every job it trains with.
         self.data_env = self.jobs.data_env(cfg, env, self.stream)
         self.global_batch = self.data_env.world_size * cfg.batch_size * cfg.grad_accum
-        if not self.stream:
-            startup.check_same_data(env, self.train_data, self.val_data)
+        startup.check_same_data(env, None if self.stream else self.train_data, self.val_data)
         if not self.stream and len(self.train_data) < self.global_batch:
             raise RunError(
                 f"the training data has {len(self.train_data)} samples, fewer than one optimizer step takes "
