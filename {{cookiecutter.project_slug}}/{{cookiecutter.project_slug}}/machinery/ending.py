@@ -95,5 +95,5 @@ def run_summary(trainer: Trainer, already_complete: bool, stop_signal: int) -> S
         metrics_file=trainer.metrics_file,
         already_complete=already_complete,
         stop_signal=stop_signal,
-        snapshot_bytes=snapshot_size(os.path.join(trainer.snapshots.directory, step_name(progress.step))),
+        snapshot_bytes=snapshot_size(trainer.snapshots.step_folder(progress.step)),
     )

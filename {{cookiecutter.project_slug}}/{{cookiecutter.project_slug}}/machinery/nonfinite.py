@@ -27,7 +27,7 @@ from . import distributed
 from .batches import Batches, tensors_in
 from .distributed import DistEnv
 from .settings import RunError, flag
-from .snapshot import restore_rng, step_name
+from .snapshot import restore_rng
 from .state import all_finite
 
 if TYPE_CHECKING:
@@ -54,9 +54,7 @@ def replay(trainer: Any, bad_step: int) -> tuple[int, list[Origin]] | None:
         resumed = trainer.snapshots.resume()
         if resumed is None or resumed["step"] >= bad_step or resumed.get("rank_state") is None:
             return None
-        rng_state = trainer.state.restore(
-            resumed, os.path.join(trainer.snapshots.directory, step_name(resumed["step"]))
-        )
+        rng_state = trainer.state.restore(resumed, trainer.snapshots.step_folder(resumed["step"]))
         if isinstance(trainer.batches, Batches):
             trainer.batches.restart()  # from the restored position (a stream's restarts with its restored place)
         restore_rng(rng_state)  # last, as at any resume

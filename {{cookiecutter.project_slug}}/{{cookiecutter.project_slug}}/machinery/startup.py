@@ -30,7 +30,7 @@ from .optim import (
     unoptimized_parameters,
 )
 from .settings import RunError, flag
-from .snapshot import SnapshotError, step_name
+from .snapshot import SnapshotError
 from .state import ModelPart, ProgressPart, RngPart, TrainState, checked_parts
 from .step import Stepper
 from .stop import STOP_RECORD
@@ -88,7 +88,8 @@ def build_and_restore(trainer: Trainer) -> dict | None:
         os.remove(stop_record)  # a new launch, not a restart of a stopped job: it is no longer stopped
     trainer.progress = Progress(step_samples=trainer.global_batch)
     if resumed is not None:  # first: the run's length and the scheduler's total steps depend on it
-        check_resumable(trainer, resumed)
+        folder = trainer.snapshots.step_folder(resumed["step"])
+        check_resumable(trainer, resumed, folder)
         ProgressPart(trainer.progress).load_state_dict(resumed["progress"])
     trainer.resumed_from = trainer.progress.step if resumed is not None else -1
     trainer.length = RunLength(cfg, trainer.progress.step_samples, None if trainer.stream else len(trainer.train_data))
@@ -149,7 +150,6 @@ def build_and_restore(trainer: Trainer) -> dict | None:
     )
     if resumed is None:
         return None
-    folder = os.path.join(trainer.snapshots.directory, step_name(resumed["step"]))
     rng_state = trainer.state.restore(resumed, folder)
     log_changed_settings(trainer, resumed, folder)
     return rng_state
@@ -177,8 +177,7 @@ def claim_outputs(trainer: Trainer) -> None:
         raise RunError(problem)
 
 
-def check_resumable(trainer: Trainer, resumed: dict) -> None:
-    folder = os.path.join(trainer.snapshots.directory, step_name(resumed["step"]))
+def check_resumable(trainer: Trainer, resumed: dict, folder: str) -> None:
     written_with = "fsdp" if resumed["sharded_dir"] else "ddp"
     if written_with != trainer.cfg.strategy:
         raise RunError(

@@ -54,6 +54,10 @@ class SnapshotFolder:
         self.job_lock: joblock.JobLock | None = None  # rank 0's, from prepare() to close()
         self._closed = False
 
+    def step_folder(self, step: int) -> str:
+        """The folder of the snapshot of `step`."""
+        return os.path.join(self.directory, step_name(step))
+
     # -- start-up ------------------------------------------------------------------------------------------------
 
     def prepare(self, estimated_bytes: int, fresh_start: bool = False) -> None:
@@ -175,7 +179,7 @@ class SnapshotFolder:
         """The job that wrote the newest snapshot whose manifest checks out, or None."""
         for step in committed:
             try:
-                return read_manifest(os.path.join(self.directory, step_name(step)))["job"]
+                return read_manifest(self.step_folder(step))["job"]
             except SnapshotError:
                 continue
         return None
@@ -193,10 +197,10 @@ class SnapshotFolder:
     def _remove_interrupted_saves(self):
         committed, incomplete = list_steps(self.directory)
         for step in incomplete:
-            log.info("removing %s: an interrupted save", os.path.join(self.directory, step_name(step)))
-            shutil.rmtree(os.path.join(self.directory, step_name(step)), ignore_errors=True)
+            log.info("removing %s: an interrupted save", self.step_folder(step))
+            shutil.rmtree(self.step_folder(step), ignore_errors=True)
         for step in committed:
-            folder = os.path.join(self.directory, step_name(step))
+            folder = self.step_folder(step)
             for name in os.listdir(folder):
                 if ".tmp-" in name:
                     os.remove(os.path.join(folder, name))
@@ -228,7 +232,7 @@ class SnapshotFolder:
             )
         skipped: list[int] = []
         for step in committed:
-            step_path = os.path.join(self.directory, step_name(step))
+            step_path = self.step_folder(step)
             state: dict[str, Any] = {}
             reason: str | None = None
             try:
@@ -257,7 +261,7 @@ class SnapshotFolder:
         if self.env.is_main:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             for step in steps:
-                path = os.path.join(self.directory, step_name(step))
+                path = self.step_folder(step)
                 os.replace(path, f"{path}.damaged-{stamp}")
                 log.warning("moved the damaged snapshot %s aside to %s.damaged-%s", path, path, stamp)
         distributed.barrier(self.env)
@@ -273,6 +277,6 @@ class SnapshotFolder:
     def _prune(self):
         committed, _ = list_steps(self.directory)
         for step in committed[self.keep :]:
-            folder = os.path.join(self.directory, step_name(step))
+            folder = self.step_folder(step)
             os.remove(os.path.join(folder, MANIFEST))  # uncommit first: a half-removed folder is never loaded
             shutil.rmtree(folder, ignore_errors=True)

@@ -29,7 +29,6 @@ from .format import (
     receipt_file,
     sha256_file,
     shard_of,
-    step_name,
     write_atomic,
     write_json_atomic,
 )
@@ -189,7 +188,7 @@ class Snapshots(SnapshotFolder):
             finally:
                 self._copied.set()
             device_copies.wait()
-            folder = os.path.join(self.directory, step_name(step))
+            folder = self.step_folder(step)
             os.makedirs(folder, exist_ok=True)
             files = {}
             if shared is not None:
