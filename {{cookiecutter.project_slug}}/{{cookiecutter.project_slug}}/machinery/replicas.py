@@ -438,8 +438,7 @@ class ReplicaGroup(JobGroup):
                             self.info.group,
                             pid,
                         )
-                        logging.shutdown()
-                        os._exit(1)
+                        _exit_now(1)
 
         threading.Thread(target=watch, name="replica-group-siblings", daemon=True).start()
 
@@ -493,19 +492,15 @@ class ReplicaGroup(JobGroup):
         threads would be torn down in it, in an order the process does not control, and one of them can abort it
         (SIGABRT) after a run that succeeded. Everything the run writes is closed by now; the log is flushed here.
         Not under a debugger, which sees the process end as usual."""
-        if os.environ.get("DEBUGPY_RUNNING") or postmortem_requested():
-            return
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        os._exit(code)
+        if not _debugged():
+            _exit_now(code)
 
     def _leave_soon(self, code: int) -> None:
         """A run that fails while a quorum is being formed: torchft's quorum thread waits for the quorum (for up to
         --dist-timeout, when a rank of this group is gone), and the interpreter's exit waits for that thread. So
         the process leaves by itself, with the exit code it was on its way out with, EXIT_GRACE seconds from now
         if it is still there (its error is logged and recorded for torchrun by then). Not under a debugger."""
-        if os.environ.get("DEBUGPY_RUNNING") or postmortem_requested():
+        if _debugged():
             return
 
         def leave() -> None:
@@ -515,11 +510,23 @@ class ReplicaGroup(JobGroup):
                 self.info.group,
                 code,
             )
-            for handler in logging.getLogger().handlers:
-                handler.flush()
-            os._exit(code)
+            _exit_now(code)
 
         threading.Thread(target=leave, name="replica-group-exit", daemon=True).start()
+
+
+def _debugged() -> bool:
+    """Whether a debugger holds this process (F5, DEBUG_POSTMORTEM): it then ends as usual, not by _exit_now."""
+    return bool(os.environ.get("DEBUGPY_RUNNING")) or postmortem_requested()
+
+
+def _exit_now(code: int) -> None:
+    """Leave the process at once with `code`, without the interpreter's shutdown; the log and the standard streams
+    are flushed first."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def _first_line(error: Any) -> str:
