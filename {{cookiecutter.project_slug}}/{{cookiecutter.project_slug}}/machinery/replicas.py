@@ -425,7 +425,7 @@ class ReplicaGroup(JobGroup):
         """
         parent = identity.agent_pid()
         siblings = [pid for pid in _children(parent) if pid != identity.worker_pid()]
-        if not siblings or "TORCHELASTIC_RUN_ID" not in os.environ:
+        if not siblings or not identity.torchrun_worker():
             return
 
         def watch() -> None:

@@ -27,9 +27,7 @@ from .distributed import DistEnv
 from .evaluate import evaluate
 from .hooks import UserCode
 from .jobgroup import JobGroup
-from .optim import (
-    SchedulerPart,
-)
+from .optim import SchedulerPart
 from .parallel import Parallel
 from .report import Summary, export, progress_bar, write_config
 from .settings import RunError, flag
