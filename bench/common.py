@@ -1,9 +1,11 @@
 """What the benchmark and the kill stress test share: baking, launching torchrun under the probe, reading its clocks."""
 
+import datetime
 import glob
 import json
 import os
 import platform
+import re
 import signal
 import statistics
 import subprocess
@@ -17,6 +19,9 @@ ROOT = BENCH.parent
 PROBE = BENCH / "probe.py"
 BARE = BENCH / "bare_ddp.py"
 FAILED_ATTEMPT = "failed (exitcode: "
+_GLOG = r"^[EW](\d{4}) (\d\d:\d\d:\d\d\.\d+) "  # torchrun's own lines: level, MMDD, time
+STOPPING = re.compile(_GLOG + r".*closing signal", re.M)  # the agent signals the surviving workers
+FAILED = re.compile(_GLOG + r".*failed \(exitcode", re.M)  # ... and, once they are gone, reports the failure
 
 
 def bake(scratch, **answers):
@@ -157,6 +162,26 @@ def worker_pids(agent_pid):
             if item.startswith(b"RANK="):
                 found[int(item[5:])] = int(entry)
     return found
+
+
+def agent_time(pattern, text, year=None):
+    """The wall-clock time of torchrun's first line matching `pattern` (glog format: MMDD HH:MM:SS.ffffff), or None."""
+    match = pattern.search(text)
+    if not match:
+        return None
+    year = year or datetime.date.today().year
+    month, day = int(match.group(1)[:2]), int(match.group(1)[2:])
+    clock = datetime.datetime.strptime(match.group(2), "%H:%M:%S.%f").time()
+    return datetime.datetime.combine(datetime.date(year, month, day), clock).timestamp()
+
+
+def process_start(pid):
+    """The wall-clock time at which process `pid` started (from /proc: boot time + its start in clock ticks)."""
+    with open(f"/proc/{pid}/stat") as handle:
+        ticks = int(handle.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as handle:
+        boot = next(int(line.split()[1]) for line in handle if line.startswith("btime "))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def median(values):

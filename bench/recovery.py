@@ -21,7 +21,6 @@ Writes bench/RECOVERY.md and bench/RECOVERY.json.
 """
 
 import argparse
-import datetime
 import json
 import os
 import random
@@ -35,14 +34,23 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import BENCH, CpuMeter, bake, child_env, machine, scratch_dir, wait_for, worker_pids  # noqa: E402
+from common import (  # noqa: E402
+    BENCH,
+    FAILED,
+    STOPPING,
+    CpuMeter,
+    agent_time,
+    bake,
+    child_env,
+    machine,
+    scratch_dir,
+    wait_for,
+    worker_pids,
+)
 
 PROBE = BENCH / "recovery_probe.py"
 ARGS = ["--max-steps", "1000000", "--snapshot-every", "20", "--log-every", "1", "--wandb", "disabled"]
 WORKER_PHASES = ["torch_imported", "process_group", "snapshot_loaded", "first_step"]
-GLOG = r"^[EW](\d{4}) (\d\d:\d\d:\d\d\.\d+) "
-STOPPING = re.compile(GLOG + r".*closing signal", re.M)  # the agent stops the survivors
-FAILED = re.compile(GLOG + r".*failed \(exitcode", re.M)  # ... and, once they are gone, reports the failure
 
 
 def logged_steps(metrics):
@@ -82,16 +90,6 @@ def zygote_memory(agent):
     return None
 
 
-def agent_time(pattern, text, year):
-    """The wall-clock time of torchrun's first line matching `pattern` (glog format: MMDD HH:MM:SS.ffffff)."""
-    match = pattern.search(text)
-    if not match:
-        return None
-    month, day = int(match.group(1)[:2]), int(match.group(1)[2:])
-    clock = datetime.datetime.strptime(match.group(2), "%H:%M:%S.%f").time()
-    return datetime.datetime.combine(datetime.date(year, month, day), clock).timestamp()
-
-
 def one_kill(project, folder, ranks, mode):
     probe_dir = folder / "probe"
     probe_dir.mkdir(parents=True)
@@ -126,7 +124,7 @@ def one_kill(project, folder, ranks, mode):
             proc.wait()
     cold, _ = phases(probe_dir, 0)
     warm, _ = phases(probe_dir, 1)
-    text, year = output.read_text(errors="replace"), datetime.date.today().year
+    text = output.read_text(errors="replace")
     rates = _step_seconds(folder / "train.log")
     redone = max(0, steps_at_kill - warm["resumed_from"])
     return {
@@ -135,8 +133,8 @@ def one_kill(project, folder, ranks, mode):
         "victim": victim,
         "cold": {"launch": launched, **cold},
         "kill": killed,
-        "stopping": agent_time(STOPPING, text, year),
-        "failed": agent_time(FAILED, text, year),
+        "stopping": agent_time(STOPPING, text),
+        "failed": agent_time(FAILED, text),
         "restart": warm,
         "zygote_mb": zygote,
         "steps_at_kill": steps_at_kill,

@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train  # a restarted rank is handed to the job's zygote here, and this script runs again in its fork
-from {{ cookiecutter.project_slug }}.machinery import parallel, snapshot, trainer
+from {{ cookiecutter.project_slug }}.machinery import parallel, snapshot, trainer, warmstart
 from {{ cookiecutter.project_slug }}.machinery.snapshot import format, writer
 
 FAULT = os.environ.get("FAULT", "")
@@ -202,4 +202,4 @@ if os.environ.get("SLOW_WRITE"):
     writer.write_atomic = delayed(writer.write_atomic, float(os.environ["SLOW_WRITE"]))
 
 if __name__ == "__main__":
-    train.main(sys.argv[1:])
+    warmstart.run_and_exit(lambda: train.main(sys.argv[1:]))  # as train.py ends

@@ -32,6 +32,7 @@ HOOK_TAG = "user_hook"  # the attribute hooks.py sets on an exception raised in 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # model.py, data.py, config.py and anything else of the user's
 MACHINERY_DIR = Path(__file__).resolve().parent
 NOTICE_TIMEOUT = datetime.timedelta(seconds=2)
+NOTICE_WAIT_S = 0.1  # how long a rank that lost a peer looks for the peer's notice in the store
 _FRAME = re.compile(
     r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)\n(?:\s{4,}(?P<code>\S.*))?', re.M
 )
@@ -155,7 +156,9 @@ def failed_peer() -> str | None:
     store = _store()
     if store is None:
         return None
-    deadline = time.monotonic() + 1.0  # it writes before it leaves the process group: by now it is there
+    # It writes before it leaves the process group, that is before this rank can lose it: by now it is there, or it
+    # was killed and never writes. The wait only covers the store's own latency.
+    deadline = time.monotonic() + NOTICE_WAIT_S
     try:
         while not store.check([_notice_key()]):
             if time.monotonic() > deadline:

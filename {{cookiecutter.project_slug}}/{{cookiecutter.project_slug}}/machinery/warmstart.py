@@ -36,9 +36,10 @@ import socket
 import struct
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from . import identity, parentdeath
 
@@ -53,8 +54,11 @@ _LENGTH = struct.Struct("!I")
 
 def enabled() -> bool:
     """Whether restarts here may be warm: Linux, not switched off, no debugger in this process."""
-    debugged = sys.gettrace() is not None or "debugpy" in sys.modules or "pydevd" in sys.modules
-    return sys.platform.startswith("linux") and os.environ.get(ENV_SWITCH, "1").strip() != "0" and not debugged
+    return sys.platform.startswith("linux") and os.environ.get(ENV_SWITCH, "1").strip() != "0" and not _debugged()
+
+
+def _debugged() -> bool:
+    return sys.gettrace() is not None or "debugpy" in sys.modules or "pydevd" in sys.modules
 
 
 def _address(agent: int, run_id: str) -> str:
@@ -213,7 +217,7 @@ def _frame(request: dict[str, Any]) -> bytes:
     return _LENGTH.pack(len(payload)) + payload
 
 
-def _exit_as(code: int) -> None:
+def _exit_as(code: int) -> NoReturn:
     """Exit with `code`, as waitstatus_to_exitcode() gives it (negative: killed by that signal)."""
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -424,22 +428,37 @@ class _Zygote:
                 signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
             argv = list(request["argv"])
             sys.argv = argv
-            if request["module"]:
-                runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-            else:
-                sys.path[0] = str(Path(argv[0]).resolve().parent)  # what `python script.py` puts first
-                runpy.run_path(argv[0], run_name="__main__")
-            code = 0
-        except SystemExit as exc:
-            code = _exit_code(exc)
-        except KeyboardInterrupt:
-            sys.excepthook(*sys.exc_info())
-            code = -signal.SIGINT
         except BaseException:
             sys.excepthook(*sys.exc_info())
-            code = 1
-        finally:
             _finish(code)
+        if request["module"]:
+            run_and_exit(lambda: runpy.run_module(request["module"], run_name="__main__", alter_sys=True))
+        else:
+            sys.path[0] = str(Path(argv[0]).resolve().parent)  # what `python script.py` puts first
+            run_and_exit(lambda: runpy.run_path(argv[0], run_name="__main__"))
+        _finish(0)
+
+
+def run_and_exit(main: Callable[[], object]) -> None:
+    """Run a script's `main`, then exit as the interpreter does (non-daemon threads joined, atexit functions run,
+    the standard streams flushed) but without its last garbage collection over every object left: torch and dynamo
+    leave millions, and that sweep costs a rank about a second at every exit, which torchrun waits for before it
+    restarts a job whose peer died. Under a debugger, `main` runs and the interpreter exits as usual."""
+    if _debugged():
+        main()
+        return
+    code = 1
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        code = -signal.SIGINT
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+    _finish(code)
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -452,7 +471,7 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def _finish(code: int) -> None:
+def _finish(code: int) -> NoReturn:
     """Exit as the interpreter does: wait for non-daemon threads, run the atexit functions, flush, exit."""
     try:
         threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's own step (multiprocessing's too)
