@@ -46,12 +46,13 @@ from .format import (
     write_atomic,
     write_json_atomic,
 )
-from .rng import capture_rng, restore_rng
+from .rng import OwnStreams, capture_rng, restore_rng
 from .writer import Snapshots
 
 __all__ = [
     "MANIFEST",
     "RUN_FILE",
+    "OwnStreams",
     "SHARED",
     "SnapshotError",
     "Snapshots",
