@@ -73,17 +73,37 @@ TAKEN_NAMES = {
     "pluggy",
     "iniconfig",
     "nvidia",
+    "matplotlib",
+    "ruff",
+    "mypy",
+    "ipykernel",
+    "nbclient",
+    "nbformat",
+    "xdist",
+    "transformers",
+    "datasets",
+    "huggingface_hub",
+    "tokenizers",
+    "safetensors",
+    # The bake's own top-level files and folders, and the folders a run writes next to them by default.
     "train",
     "tests",
     "scripts",
+    "docs",
+    "notebooks",
     "snapshots",
     "logs",
+    "export",
+    "runs",
 }
+# Only a bake with replica groups imports torchft.
+TAKEN_WITH_REPLICA_GROUPS = {"torchft"}
 UNWANTED_IN_TEXT = {"\n": "a line break", "\r": "a carriage return", "\x00": "a NUL character"}
 WANDB_FORBIDDEN = set("/\\#?%:")
 
 
-def check_slug(slug):
+def check_slug(slug, replica_groups="no"):
+    taken = TAKEN_NAMES | (TAKEN_WITH_REPLICA_GROUPS if replica_groups == "yes" else set())
     allowed = "a Python identifier in lower case, such as my_project"
     if not slug.isidentifier():
         return f"is not a Python identifier; allowed: {allowed}"
@@ -91,7 +111,7 @@ def check_slug(slug):
         return f"is a Python keyword; allowed: {allowed}"
     if slug != slug.lower():
         return f"has upper-case letters; allowed: {allowed}"
-    if slug in sys.stdlib_module_names or slug in TAKEN_NAMES:
+    if slug in sys.stdlib_module_names or slug in taken:
         return (
             f"shadows the module {slug!r} that the project imports or contains; allowed: {allowed}, not a module name"
         )
@@ -114,7 +134,7 @@ def problems(answers):
     if not answers["project_name"].strip():
         yield "project_name", "is empty; allowed: any non-empty one-line name"
 
-    reason = check_slug(answers["project_slug"])
+    reason = check_slug(answers["project_slug"], answers["replica_groups"])
     if reason:
         yield "project_slug", reason
 

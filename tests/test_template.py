@@ -375,15 +375,28 @@ BAD = [
     ("debug_port", "65535", "is out of range"),  # with 2 ranks, rank 1 would need 65536
     ("debug_port", "port", "is not an integer"),
     ("wandb_project", "a/b", "is not a valid wandb project name"),
-    ("project_name", "two\nlines", "contains a line break"),
+    ("project_name", "two\nlines", "contains a line break", {"project_slug": "fine_slug"}),
+    # a package named like one of the bake's own folders would be shadowed by it (or shadow it) on sys.path
+    ("project_slug", "docs", "shadows the module 'docs'", {"project_name": "Docs"}),
+    ("project_slug", "notebooks", "shadows the module 'notebooks'", {"project_name": "Notebooks"}),
+    ("project_slug", "scripts", "shadows the module 'scripts'", {"project_name": "Scripts"}),
+    ("project_slug", "tests", "shadows the module 'tests'", {"project_name": "Tests"}),
+    ("project_slug", "export", "shadows the module 'export'", {"project_name": "Export"}),
+    ("project_slug", "transformers", "shadows the module 'transformers'"),
+    ("project_slug", "torchft", "shadows the module 'torchft'", {"replica_groups": "yes"}),
 ]
 
 
-@pytest.mark.parametrize("key, value, reason", BAD, ids=[f"{k}={v!r}" for k, v, _ in BAD])
-def test_bad_answer_stops_the_bake_with_one_clear_line(tmp_path, key, value, reason):
-    answers = {key: value}
-    if key == "project_name":
-        answers["project_slug"] = "fine_slug"
+# Other answers that come with a bad one: a project name whose derived slug is the bad value, or the choice that
+# makes it bad.
+BAD = [(key, value, reason, more[0] if more else {}) for key, value, reason, *more in BAD]
+
+
+@pytest.mark.parametrize("key, value, reason, more", BAD, ids=[f"{k}={v!r}" for k, v, *_ in BAD])
+def test_bad_answer_stops_the_bake_with_one_clear_line(tmp_path, key, value, reason, more):
+    answers = {key: value, **more}
+    if key == "project_slug" and "project_name" in more:
+        del answers["project_slug"]  # derived from the name, as a user who only names the project gets it
     cmd = [sys.executable, "-m", "cookiecutter", "--no-input", str(ROOT), "-o", str(tmp_path)]
     result = subprocess.run(cmd + [f"{k}={v}" for k, v in answers.items()], capture_output=True, text=True)
     assert result.returncode != 0

@@ -38,8 +38,12 @@ def leftovers(snapshot_dir):
     return [str(path) for path in snapshot_dir.rglob("*.tmp-*")]
 
 
-@pytest.mark.parametrize("rank, where", [(1, "rank"), (0, "manifest")])
-def test_crash_inside_a_save_resumes_from_the_previous_snapshot(tmp_path, reference_runs, rank, where):
+@pytest.mark.parametrize("rank, where, resumed_from", [(1, "rank", 40), (0, "manifest", 60)])
+def test_crash_inside_a_save_resumes_from_the_newest_save_whose_every_part_was_written(
+    tmp_path, reference_runs, rank, where, resumed_from
+):
+    """Rank 1 dies writing its part of the step-60 snapshot: the restart resumes from step 40. Rank 0 dies writing
+    the manifest, after every part was written: the restart commits the step-60 snapshot and resumes from it."""
     reference = reference_runs(ARGS)
     cmd = train_cmd(2, ["--max-restarts=3"], script="tests/fault_injection.py") + ARGS + outputs(tmp_path)
     restart = "warm" if rank == 1 else "cold"  # the exact resume both ways: WARM_RESTART=0 makes restarts cold
@@ -49,16 +53,19 @@ def test_crash_inside_a_save_resumes_from_the_previous_snapshot(tmp_path, refere
     assert (tmp_path / "fault-fired").exists()
     assert len(FAILED_ATTEMPT.findall(out)) == 1
     assert starts(tmp_path) == {0: ["cold", "cold"], 1: [restart, restart]}
-    assert summary(tmp_path)["resumed_from"] == 40
+    assert summary(tmp_path)["resumed_from"] == resumed_from
     assert not leftovers(tmp_path / "run-snapshots"), "the interrupted step-60 save was cleaned up"
     assert_same_weights(reference["model"], final_model(tmp_path / "run-snapshots")["model"])
 
 
-def test_a_ranks_error_while_a_snapshot_is_written_does_not_lose_it(tmp_path, reference_runs):
-    """Rank 1 raises two steps after the snapshot of step 40, while its files are still being written (each file
-    1 s late): the failing rank and the others let it commit before they exit, so the restart resumes from it."""
+@pytest.mark.parametrize("fault", ["raise_at_step", "kill_after_save"])
+def test_a_ranks_failure_while_a_snapshot_is_written_does_not_lose_it(tmp_path, reference_runs, fault):
+    """Rank 1 raises two steps after the snapshot of step 40, or is SIGKILLed right after it, while the snapshot's
+    files are still being written (each file 1 s late): each rank's own part is written before its next step, and
+    the ranks left let the snapshot commit before they exit, so the restart resumes from it."""
     reference = reference_runs(ARGS)
-    env = injected(tmp_path, FAULT="raise_at_step", FAULT_RANK=1, FAULT_STEP=42, SLOW_WRITE=1)
+    step = 42 if fault == "raise_at_step" else 40
+    env = injected(tmp_path, FAULT=fault, FAULT_RANK=1, FAULT_STEP=step, SLOW_WRITE=1)
     cmd = train_cmd(2, ["--max-restarts=1"], script="tests/fault_injection.py") + ARGS + outputs(tmp_path)
     out = run(cmd, env=env).stdout
     assert (tmp_path / "fault-fired").exists() and len(FAILED_ATTEMPT.findall(out)) == 1

@@ -3,9 +3,15 @@
 Each sequence counts through the tokens 1..15 in steps of 1, 2 or 3 from a random start (token 0 pads), 6 to 16
 tokens long: the first two tokens of a sequence fix the rest, so a small language model can learn it. Item `i` is
 made from a generator seeded with `i`, so it is the same whichever process or worker makes it. The training stream
-has no `len()` and does not shard itself: the trainer gives each rank its share. Validation is 53 map-style items.
+has no `len()` and does not shard itself: the trainer gives each rank its share. As it is read, it cuts 0 to 3
+tokens off the end of each item, drawn from torch's, Python's and NumPy's global random streams (a random
+augmentation, as pipelines write it): a resume that skips the items already trained must not draw these from the
+streams it restored. Validation is 53 map-style items.
 """
 
+import random
+
+import numpy
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
@@ -35,7 +41,11 @@ class CountingStream(IterableDataset):
         self.seed, self.size = seed, size
 
     def __iter__(self):
-        return (make_item(self.seed, index) for index in range(self.size))
+        for index in range(self.size):
+            item = make_item(self.seed, index)
+            cut = int(torch.randint(0, 2, ())) + random.randrange(2) + int(numpy.random.randint(2))
+            length = len(item["input_ids"]) - cut
+            yield {**item, "input_ids": item["input_ids"][:length], "labels": item["labels"][:length]}
 
 
 class CountingSet(Dataset):

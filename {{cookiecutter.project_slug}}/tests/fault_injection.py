@@ -9,6 +9,8 @@ The fault is chosen by environment variables:
     FAULT=crash_in_save       rank FAULT_RANK is SIGKILLed halfway through writing FAULT_FILE ("rank" or
                               "manifest") of the snapshot of step FAULT_STEP, leaving a temp file behind
     FAULT=kill_after_commit   rank 0 is SIGKILLed right after it commits the snapshot of step FAULT_STEP
+    FAULT=kill_after_save     rank FAULT_RANK is SIGKILLed right after it starts the snapshot of step FAULT_STEP,
+                              before its next step (the rest of that save still being written in the background)
 {%- if cookiecutter.replica_groups == "yes" %}
     FAULT=raise_in_quorum     (--fault-tolerance torchft) rank FAULT_RANK raises right after it starts its first
                               step's quorum, while torchft forms the quorum in its own thread
@@ -152,6 +154,15 @@ if FAULT == "kill_after_commit" and RANK == 0:
             os.kill(os.getpid(), signal.SIGKILL)
 
     snapshot.Snapshots.commit = commit_then_die
+if FAULT == "kill_after_save" and RANK == FAULT_RANK:
+    original_save = trainer.Trainer.save_snapshot
+
+    def save_then_die(self, *args, **kwargs):
+        original_save(self, *args, **kwargs)
+        if self.progress.step == FAULT_STEP and should_fire():
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    trainer.Trainer.save_snapshot = save_then_die
 {% if cookiecutter.replica_groups == "yes" %}
 if FAULT == "raise_in_quorum" and RANK == FAULT_RANK:
     from {{ cookiecutter.project_slug }}.machinery import replicas

@@ -12,6 +12,7 @@ import random
 import sys
 import types
 
+import numpy
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -23,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 from {{ cookiecutter.project_slug }}.machinery.batches import Batches, Progress, to_device
 from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
 from {{ cookiecutter.project_slug }}.machinery.hooks import UserCode, as_step_result
+from {{ cookiecutter.project_slug }}.machinery.snapshot import capture_rng, restore_rng
 from {{ cookiecutter.project_slug }}.machinery.stream import RankShare, StreamBatches, StreamEnded, shards_itself
 
 # -- any batch to the device ---------------------------------------------------------------------------------------
@@ -156,6 +158,67 @@ def test_a_stream_resumed_with_another_batch_size_and_accumulation_continues_at_
     resumed.load_state_dict(first.state_dict())
     assert taken == [1, 3, 5, 7, 9, 11]
     assert next(resumed)[0].tolist() == [13, 15, 17, 19]
+
+
+class Drawing(IterableDataset):
+    """0, 1, 2, ... , each with a random number from torch's, Python's and NumPy's streams drawn as it is read."""
+
+    read = 0  # where reading starts
+
+    def __iter__(self):
+        for index in range(self.read, 1000):
+            yield torch.tensor(
+                [index, torch.rand(()).item(), random.random(), numpy.random.rand()], dtype=torch.float64
+            )
+
+
+class DrawingFromItsPlace(Drawing):
+    """The same, giving each rank its own items (one rank's copy here), with a state_dict that marks its place."""
+
+    shards_itself = True
+
+    def __iter__(self):
+        for item in super().__iter__():
+            self.read += 1
+            yield item
+
+    def state_dict(self):
+        return {"read": self.read}
+
+    def load_state_dict(self, state):
+        self.read = state["read"]
+
+
+@pytest.mark.parametrize("dataset", [Drawing, DrawingFromItsPlace], ids=["skipping", "the dataset's own state"])
+def test_a_stream_that_draws_random_numbers_resumes_exactly_with_the_models_draws(dataset):
+    """Read in this process, as a trainer does (a dropout draw after each step), snapshotted after step 3 (the
+    stream's place and the process's streams) and resumed; a resume skips the items consumed, or loads the dataset's
+    own state_dict, which marks its place."""
+    cfg = types.SimpleNamespace(batch_size=2, grad_accum=2, num_workers=0, seed=5)
+
+    def stream():
+        return StreamBatches(dataset(), cfg, DistEnv(rank=1, world_size=2), Progress(), None)
+
+    def steps(batches, count):
+        return [(torch.cat(next(batches)), torch.rand(3)) for _ in range(count)]  # the step's items, its dropout
+
+    torch.manual_seed(0)
+    whole = stream()
+    assert whole.own_state == (dataset is DrawingFromItsPlace)
+    before = steps(whole, 3)
+    saved_stream, saved_rng = io.BytesIO(), capture_rng()
+    torch.save(whole.state_dict(), saved_stream)
+    after = steps(whole, 4)
+    assert len({float(item[1]) for step, _ in before + after for item in step}) == 4 * 7, "each item drew its own"
+
+    torch.manual_seed(1)  # another process: whatever its streams, the resume restores them
+    resumed = stream()
+    saved_stream.seek(0)
+    resumed.load_state_dict(torch.load(saved_stream, weights_only=True))
+    restore_rng(saved_rng)  # last, as the trainer does
+    again = steps(resumed, 4)
+    for (items, dropout), (items_again, dropout_again) in zip(after, again, strict=True):
+        assert torch.equal(items, items_again) and torch.equal(dropout, dropout_again)
 
 
 # -- random augmentation in DataLoader workers ---------------------------------------------------------------------

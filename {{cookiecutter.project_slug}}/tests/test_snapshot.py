@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 
 import pytest
 import torch
@@ -132,6 +133,36 @@ def test_interrupted_save_is_ignored_then_cleaned_at_start(tmp_path):
     Snapshots(tmp_path, DistEnv(), keep=3).prepare(estimated_bytes=1)
     assert not partial.exists()
     assert not list((tmp_path / step_name(10)).glob("*.tmp-*"))
+
+
+def test_a_ranks_own_part_is_on_disk_when_save_returns(tmp_path, monkeypatch):
+    """Rank 1's random streams and data position, with its receipt, are written before its next step can start: a
+    SIGKILL from then on leaves its part of the snapshot whole (the background write is held back here)."""
+    held = threading.Event()
+    monkeypatch.setattr(Snapshots, "_write", lambda self, *args: held.wait(30))
+    snapshots = Snapshots(tmp_path, DistEnv(rank=1, world_size=2), keep=3)
+    snapshots.save(20, None, {"rng": torch.arange(5), "data": {"consumed_items": 40}})
+    folder = tmp_path / step_name(20)
+    assert torch.load(folder / rank_file(1), weights_only=True)["data"] == {"consumed_items": 40}
+    receipt = json.loads((folder / "rank-00001.json").read_text())
+    assert receipt["files"][rank_file(1)]["sha256"] == hashlib.sha256((folder / rank_file(1)).read_bytes()).hexdigest()
+    held.set()
+    snapshots.wait()
+
+
+@pytest.mark.parametrize("lost", ["nothing", "a receipt", "a damaged file"])
+def test_a_save_whose_every_part_was_written_is_committed_at_the_next_start(tmp_path, lost):
+    """The job ended after every rank wrote its part of step 20 but before rank 0 committed it (no manifest): the
+    next start commits it and resumes from it, unless a part is missing or fails its checksum."""
+    save_steps(tmp_path, [10, 20])
+    folder = tmp_path / step_name(20)
+    (folder / MANIFEST).unlink()
+    if lost == "a receipt":
+        (folder / "rank-00000.json").unlink()
+    elif lost == "a damaged file":
+        flip_one_bit(folder / SHARED)
+    assert resume(tmp_path)["step"] == (20 if lost == "nothing" else 10)
+    assert folder.exists() == (lost == "nothing")
 
 
 def test_keeps_the_newest_snapshots_only(tmp_path):
@@ -334,8 +365,8 @@ def test_disk_full_during_a_save_says_so(tmp_path, monkeypatch):
         def flush(self):
             self.handle.flush()
 
-    def write_to_full_disk(path, write):
-        return original(path, lambda handle: write(FullDisk(handle)))
+    def write_to_full_disk(path, write):  # the disk fills up during the large file, written in the background
+        return original(path, lambda handle: write(FullDisk(handle)) if path.endswith(SHARED) else write(handle))
 
     save_steps(tmp_path, [10])
     monkeypatch.setattr(writer, "write_atomic", write_to_full_disk)

@@ -155,6 +155,25 @@ def test_wandb_offline_makes_one_run_on_rank_0_and_keeps_its_id_on_relaunch(tmp_
     assert len(runs) == 2 and all(r.name.endswith(run_id) for r in runs), runs
 
 
+def test_wandb_online_without_an_api_key_is_one_line_naming_offline_and_exits_2(tmp_path):
+    # No key anywhere (no WANDB_API_KEY, an empty home: no netrc, no wandb settings) and wandb's own telemetry off:
+    # wandb refuses before it opens a connection; a server on this machine stands in for wandb's in case it would not.
+    home = tmp_path / "home"
+    env = child_env(
+        HOME=home,
+        XDG_CONFIG_HOME=home / ".config",
+        NETRC=home / ".netrc",
+        WANDB_DIR=tmp_path,
+        WANDB_ERROR_REPORTING="false",
+        WANDB_BASE_URL="http://127.0.0.1:9",
+    )
+    result = run(train_cmd() + ["--wandb", "online", "--max-steps", "5"] + outputs(tmp_path), env=env, check=False)
+    assert result.returncode == 2, result.stdout[-4000:]
+    errors = [line for line in result.stdout.splitlines() if " ERROR " in line or line.startswith("error")]
+    assert len(errors) == 1 and "--wandb offline" in errors[0], result.stdout[-4000:]
+    assert "Traceback" not in result.stdout, result.stdout[-4000:]
+
+
 def test_second_launch_resumes_from_the_snapshot(tmp_path):
     base = train_cmd(nproc=2) + QUICK + ["--snapshot-every", "10"] + outputs(tmp_path)
     run(base + ["--max-steps", "20"])

@@ -14,7 +14,14 @@ dataset's own state_dict() when that marks the place exactly: the dataset gives 
 itself, or one rank), is read in this process (--num-workers 0), and is not a Hugging Face stream with a shuffle
 buffer (whose state_dict() drops the buffer: its resume is not exact). A resume loads that state into the dataset,
 or else skips, item by item, what the rank consumed (exact, at the cost of reading them again). The place is
-counted in items, so a resume with another --batch-size or --grad-accum continues at the exact next item. A stream
+counted in items, so a resume with another --batch-size or --grad-accum continues at the exact next item.
+
+Random numbers the stream draws as it is read (a random crop in `__iter__`, a shuffle of its own) come from random
+streams of its own (Python's, NumPy's, torch's CPU one), never from the process's, which the model draws from
+(dropout) and a resume restores: the items a resume skips would draw from those, and every number after would
+differ. Read in this process (--num-workers 0), the stream's streams are seeded from --seed and the rank, saved with
+its place, and put back when a resume loads the dataset's own state; a resume that skips draws them again, item by
+item, as the first reading did. DataLoader workers have theirs already, seeded the same way at every start. A stream
 has no epochs (--max-steps sets the run's length), and a snapshot of a stream resumes with as many ranks only: each
 rank's place is its own.
 """
@@ -22,6 +29,7 @@ rank's place is its own.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -30,6 +38,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from .batches import Progress
 from .distributed import DistEnv
 from .settings import RunError, flag
+from .snapshot import OwnStreams
 
 
 class StreamEnded(RuntimeError):
@@ -102,12 +111,20 @@ class StreamBatches:
         # The loader's own generator: creating its iterator would otherwise draw a seed from the global one, right
         # after a resume restored it, and shift every random number the model draws (dropout) from then on.
         self.generator = torch.Generator()
+        self.streams = OwnStreams(cfg.seed * 1_000_003 + env.rank + 1) if cfg.num_workers == 0 else nullcontext()
         self._iterator: Iterator[Any] | None = None
 
     def __iter__(self) -> StreamBatches:
         return self
 
     def __next__(self) -> list:
+        with self.streams:
+            micro_batches = self._read()
+        self.progress.samples_in_epoch += self.global_batch
+        self.progress.samples_seen += self.global_batch
+        return micro_batches
+
+    def _read(self) -> list:
         if self._iterator is None:
             skip = 0 if self.own_state else self.consumed  # the dataset's own state starts after what was consumed
             share = RankShare(self.dataset, self.env, self.cfg.batch_size, skip, self.own_split)
@@ -132,14 +149,14 @@ class StreamBatches:
                     f"{flag('max_steps')} was reached: lower it, or make the stream longer (or endless)"
                 ) from None
             self.consumed += self.cfg.batch_size
-        self.progress.samples_in_epoch += self.global_batch
-        self.progress.samples_seen += self.global_batch
         return micro_batches
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"consumed_items": self.consumed}
         if self.own_state:
             state["dataset"] = self.dataset.state_dict()  # type: ignore[attr-defined]
+        if isinstance(self.streams, OwnStreams) and self.streams.state is not None:
+            state["rng"] = self.streams.state
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -154,4 +171,8 @@ class StreamBatches:
                     "resume with the same --num-workers"
                 )
             self.dataset.load_state_dict(state["dataset"])  # type: ignore[attr-defined]
+        if isinstance(self.streams, OwnStreams):
+            # Going on from the dataset's own state, the stream goes on with its streams as they were; skipping what
+            # was consumed, it draws them anew from their seed, reaching that same state.
+            self.streams.state = state.get("rng") if self.own_state else None
         self._iterator = None

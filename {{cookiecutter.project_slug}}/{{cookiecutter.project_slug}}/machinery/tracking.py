@@ -29,7 +29,7 @@ from typing import Any, Literal, cast
 from . import distributed, runfiles
 from .distributed import DistEnv
 from .runfiles import RUN_ID
-from .settings import RunError, shown
+from .settings import RunError, flag, shown
 from .snapshot import RUN_FILE, SnapshotError, write_json_atomic
 
 WandbMode = Literal["online", "offline", "disabled"]  # the choices of --wandb
@@ -93,13 +93,21 @@ class Tracker:
 
 class WandbTracker(Tracker):
     def __init__(self, project: str, run_id: str, mode: str, config: dict):
+        option = f"{flag('wandb')} {mode}"
         try:
             import wandb
-        except ImportError as exc:
-            raise RuntimeError(f"--wandb {mode} needs wandb: pip install wandb, or pass --wandb disabled") from exc
+        except ImportError:
+            raise RunError(f"{option} needs wandb: pip install wandb, or pass {flag('wandb')} disabled") from None
 
         self._wandb = wandb
-        self.run = wandb.init(project=project, id=run_id, resume="allow", mode=cast(WandbMode, mode), config=config)
+        try:
+            self.run = wandb.init(project=project, id=run_id, resume="allow", mode=cast(WandbMode, mode), config=config)
+        except wandb.errors.Error as exc:  # no API key, a key refused, no network: wandb's reason, on one line
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            raise RunError(
+                f"{option}: wandb could not start the run: {reason} (to track without a wandb account or "
+                f"network: {flag('wandb')} offline)"
+            ) from None
         # Resumed runs log steps the failed attempt may have logged already; a metric of our own as the x axis
         # keeps wandb from dropping them as out of order.
         self.run.define_metric("step")

@@ -8,16 +8,17 @@ Layout of the snapshot folder (one job per folder; on several machines it must b
         shared.pt              the run's shared parts: model, optimizer, scheduler, scaler, progress and data
                                position, any part the trainer registers, and the config (rank 0 writes it)
         rank-00000.pt          one rank's own parts: its random streams, its place in a stream (each rank
-                               writes its own)
-        rank-00000.json        that rank's receipt: size and sha256 of what it wrote
+                               writes its own, at the snapshot step, before its next step)
+        rank-00000.json        that rank's receipt: size and sha256 of what it wrote, the number of ranks, the job
         sharded/               --strategy fsdp only: model and optimizer, each rank's shards written by
                                torch.distributed.checkpoint (__<rank>_0.distcp; rank 0 adds .metadata)
         manifest.json          the commit marker, written last by rank 0 once every receipt is in
 
 Every file is written to a temporary name in the same folder, fsynced and renamed into place. A step
-folder without manifest.json is an interrupted save: it is never loaded, and it is removed at the next
-start. The manifest carries a sha256 of its own contents and is checked field by field; loading then checks
-each file's size and sha256 against it. A truncated, emptied or bit-flipped file, or a manifest that is
+folder without manifest.json is an interrupted save: it is never loaded. The next start commits it when every
+rank's receipt is there and every file checks out against it (its job ended before rank 0 committed it), and
+removes it otherwise. The manifest carries a sha256 of its own contents and is checked field by field; loading
+then checks each file's size and sha256 against it. A truncated, emptied or bit-flipped file, or a manifest that is
 malformed or was edited, makes the snapshot skipped with a warning, and the next older one is used. All ranks
 agree on the step they resume from. Only folders named exactly as step_name() names them are snapshots;
 anything else in the folder is left alone.
@@ -46,12 +47,13 @@ from .format import (
     write_atomic,
     write_json_atomic,
 )
-from .rng import capture_rng, restore_rng
+from .rng import OwnStreams, capture_rng, restore_rng
 from .writer import Snapshots
 
 __all__ = [
     "MANIFEST",
     "RUN_FILE",
+    "OwnStreams",
     "SHARED",
     "SnapshotError",
     "Snapshots",

@@ -15,6 +15,7 @@ from .format import (
     MANIFEST,
     RUN_FILE,
     SnapshotError,
+    finished_save,
     list_steps,
     load_step,
     read_manifest,
@@ -107,6 +108,7 @@ class SnapshotFolder:
             os.makedirs(self.directory, exist_ok=True)
             self.job_lock = joblock.JobLock(self.directory)
             self.job_lock.acquire()
+            self._commit_finished_saves()  # before a fresh start decides what to move aside: it moves them too
             if fresh_start:
                 problem = self._start_fresh()
                 if problem:
@@ -193,6 +195,21 @@ class SnapshotFolder:
                 if os.path.isfile(path):
                     log.debug("removing %s, left by an earlier start-up", path)
                     os.remove(path)
+
+    def _commit_finished_saves(self):
+        """Commit the saves whose job ended before committing them although every part was written: each rank writes
+        its own part before its next step, so a rank SIGKILLed after a snapshot step leaves a save that the others
+        (or, when they end too soon, this start) can commit. What is missing or fails its checksum is left to
+        _remove_interrupted_saves."""
+        for step in list_steps(self.directory)[1]:
+            folder = self.step_folder(step)
+            try:
+                manifest = finished_save(folder, step)
+            except SnapshotError as exc:
+                log.debug("not committing %s: %s", folder, exc)
+                continue
+            write_json_atomic(os.path.join(folder, MANIFEST), manifest)
+            log.info("committed %s: every rank's part of it was written before its job ended", folder)
 
     def _remove_interrupted_saves(self):
         committed, incomplete = list_steps(self.directory)

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+import time
 import warnings
 from typing import Any
 
@@ -181,6 +182,56 @@ def manifest_problem(manifest, step):
     if actual != digest:
         return "manifest_sha256 does not match its contents: the manifest was edited or damaged after it was written"
     return None
+
+
+def read_receipt(folder: str, rank: int) -> dict:
+    """Rank `rank`'s receipt in a step folder, checked: it lists exactly that rank's files (its rank file, rank 0's
+    shared.pt, its shards under fsdp), each with a size and sha256 (checked later, against the files)."""
+    path = os.path.join(folder, receipt_file(rank))
+    try:
+        with open(path, encoding="utf-8") as handle:
+            receipt = json.load(handle)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise SnapshotError(f"{path}: unreadable receipt ({type(exc).__name__}: {exc})") from exc
+    expected = {rank_file(rank)} | ({SHARED} if rank == 0 else set())
+    files = receipt.get("files") if isinstance(receipt, dict) else None
+    if not isinstance(files, dict) or {name for name in files if shard_of(name) != rank} != expected:
+        raise SnapshotError(f"{path} is not a receipt for rank {rank}'s files {sorted(expected)}")
+    return receipt
+
+
+def new_manifest(folder: str, step: int, world_size: int, files: dict, job: str) -> dict:
+    """The manifest that commits a save of `world_size` ranks whose receipts list `files`; SnapshotError rather
+    than one a reader would reject."""
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "world_size": world_size,
+        "files": files,
+        "created": time.time(),
+        "job": job,
+    }
+    manifest["manifest_sha256"] = manifest_digest(manifest)
+    problem = manifest_problem(manifest, step)
+    if problem:
+        raise SnapshotError(f"{folder}: not committing a malformed manifest: {problem}")
+    return manifest
+
+
+def finished_save(folder: str, step: int) -> dict:
+    """The manifest of a save its job did not commit although every part of it was written: every rank's receipt is
+    there (rank 0's names the ranks and the job) and every file checks out against it. SnapshotError says what is
+    missing."""
+    first = read_receipt(folder, 0)
+    world_size, job = first.get("world_size"), first.get("job")
+    if not isinstance(world_size, int) or not _is_count(world_size, 1, MAX_WORLD_SIZE) or not isinstance(job, str):
+        raise SnapshotError(f"{os.path.join(folder, receipt_file(0))} names no world size and job")
+    files: dict = {}
+    for rank in range(world_size):
+        files.update(first["files"] if rank == 0 else read_receipt(folder, rank)["files"])
+    for name in files:
+        check_file(folder, {"files": files}, name)
+    return new_manifest(folder, step, world_size, files, job)
 
 
 def read_manifest(step_path: str) -> dict:

@@ -1,12 +1,14 @@
 """Every rank's random streams (Python, NumPy, torch, CUDA), as plain containers torch.load(weights_only=True) reads."""
 
 import random
+from typing import cast
 
 import numpy as np
 import torch
 
 
-def capture_rng() -> dict:
+def capture_rng(cuda: bool = True) -> dict:
+    """The process's random streams; `cuda=False` leaves CUDA's out (an empty list)."""
     keys_kind, keys, pos, has_gauss, cached = np.random.get_state()
     return {
         "python": random.getstate(),
@@ -18,7 +20,7 @@ def capture_rng() -> dict:
             "cached_gaussian": float(cached),
         },
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state_all() if cuda and torch.cuda.is_available() else [],
     }
 
 
@@ -37,3 +39,35 @@ def restore_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_cpu_rng(value: int) -> None:
+    """Seed Python's, NumPy's and torch's CPU stream from `value`; CUDA's are left alone (torch.manual_seed would
+    seed them too)."""
+    random.seed(value)
+    np.random.seed(value % 2**32)
+    torch.default_generator.manual_seed(value)
+
+
+class OwnStreams:
+    """Random streams of their own (Python's, NumPy's, torch's CPU one): code run `with` them draws from them, and
+    the process's streams are as they were before and after. `state` is theirs, None until first used (then seeded
+    from `seed`); put a saved one back to go on from it."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.state: dict | None = None
+        self._outer: dict | None = None
+
+    def __enter__(self) -> "OwnStreams":
+        self._outer = capture_rng(cuda=False)
+        if self.state is None:
+            seed_cpu_rng(self.seed)
+        else:
+            restore_rng(self.state)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.state = capture_rng(cuda=False)
+        restore_rng(cast(dict, self._outer))
+        self._outer = None

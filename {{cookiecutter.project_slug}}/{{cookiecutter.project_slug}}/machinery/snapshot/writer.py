@@ -3,7 +3,6 @@ once every rank's receipt is in, then old ones pruned."""
 
 import datetime
 import errno
-import json
 import logging
 import math
 import os
@@ -18,14 +17,13 @@ import torch.distributed.checkpoint as dcp
 from .. import distributed
 from .folder import SnapshotFolder
 from .format import (
-    FORMAT,
     MANIFEST,
     SHARDED_DIR,
     SHARED,
     SnapshotError,
-    manifest_digest,
-    manifest_problem,
+    new_manifest,
     rank_file,
+    read_receipt,
     receipt_file,
     sha256_file,
     shard_of,
@@ -111,15 +109,19 @@ class Snapshots(SnapshotFolder):
         """
         self.wait()
         shared = shared if self.env.is_main else None
+        try:
+            own = self._write_own_part(step, rank_state, alone=shared is None and sharded_state is None)
+        except Exception as exc:
+            raise self._failure(exc) from exc
         device_copies = DeviceCopies(self._pinned, self._copy_streams)
         shards, layouts = split_dtensors(sharded_state) if sharded_state is not None else (None, {})
         if torch.cuda.is_initialized():  # no CUDA tensor can exist before CUDA is initialized
-            device_copies.start({("shared",): shared, ("rank",): rank_state, ("sharded",): shards})
+            device_copies.start({("shared",): shared, ("sharded",): shards})
         self._device_copies = device_copies
         self._copied.clear()
         self._thread = threading.Thread(
             target=self._write,
-            args=(step, shared, rank_state, device_copies, shards, layouts),
+            args=(step, shared, own, device_copies, shards, layouts),
             name=f"snapshot-{step}",
             daemon=True,
         )
@@ -166,40 +168,59 @@ class Snapshots(SnapshotFolder):
     def _raise_error(self):
         if self._error is not None:
             error, self._error = self._error, None
-            code = _errno_in_chain(error)
-            if code == errno.ENOSPC:
-                reason = (
-                    f"no space left on {self.directory}; free some space there or keep fewer snapshots "
-                    "(--keep-snapshots)"
-                )
-            elif code == errno.EDQUOT:
-                reason = f"disk quota exceeded on {self.directory}; free some space there or raise the quota"
-            else:
-                reason = str(error)
-            raise SnapshotError(f"saving a snapshot failed: {reason}") from error
+            raise self._failure(error) from error
 
-    def _write(self, step, shared, rank_state, device_copies, shards=None, layouts=None):
+    def _failure(self, error: BaseException) -> SnapshotError:
+        """A failed save, in words: what to do about a full disk or quota, else the error itself."""
+        code = _errno_in_chain(error)
+        if code == errno.ENOSPC:
+            reason = (
+                f"no space left on {self.directory}; free some space there or keep fewer snapshots (--keep-snapshots)"
+            )
+        elif code == errno.EDQUOT:
+            reason = f"disk quota exceeded on {self.directory}; free some space there or raise the quota"
+        else:
+            reason = str(error)
+        return SnapshotError(f"saving a snapshot failed: {reason}")
+
+    def _write_own_part(self, step: int, rank_state: dict, alone: bool) -> dict | None:
+        """Write this rank's own part (its random streams, its place in the data: small) now, on the training
+        thread: once the next step starts, a SIGKILL of this rank cannot lose the snapshot, which the other ranks
+        commit (or the next start does). `alone`: the rank writes nothing else, so its receipt goes too (None
+        returned); else the part's receipt entry, for the receipt the writer thread writes after the rest."""
+        folder = self.step_folder(step)
+        os.makedirs(folder, exist_ok=True)
+        rank, rank_state = self.env.rank, copy_to_cpu(rank_state, self._staging, ("rank",))
+        files = {
+            rank_file(rank): write_atomic(os.path.join(folder, rank_file(rank)), lambda f: torch.save(rank_state, f))
+        }
+        if not alone:
+            return files
+        self._write_receipt(folder, files)
+        return None
+
+    def _write_receipt(self, folder: str, files: dict) -> None:
+        """This rank's receipt: its files, the number of ranks and the job (what a commit at the next start needs)."""
+        receipt = {"rank": self.env.rank, "files": files, "world_size": self.env.world_size, "job": self.job}
+        write_json_atomic(os.path.join(folder, receipt_file(self.env.rank)), receipt)
+
+    def _write(self, step, shared, own, device_copies, shards=None, layouts=None):
         try:
             try:
                 staged = device_copies.staged
                 shared = copy_to_cpu(shared, self._staging, ("shared",), staged) if shared is not None else None
-                rank_state = copy_to_cpu(rank_state, self._staging, ("rank",), staged)
                 shards = copy_to_cpu(shards, self._staging, ("sharded",), staged) if shards is not None else None
             finally:
                 self._copied.set()
             device_copies.wait()
             folder = self.step_folder(step)
-            os.makedirs(folder, exist_ok=True)
-            files = {}
-            if shared is not None:
-                files[SHARED] = write_atomic(os.path.join(folder, SHARED), lambda f: torch.save(shared, f))
-            rank = self.env.rank
-            files[rank_file(rank)] = write_atomic(
-                os.path.join(folder, rank_file(rank)), lambda f: torch.save(rank_state, f)
-            )
-            if shards is not None:
-                files.update(self._write_shards(folder, join_dtensors(shards, layouts)))
-            write_json_atomic(os.path.join(folder, receipt_file(rank)), {"rank": rank, "files": files})
+            if own is not None:  # this rank's receipt waits for its other files
+                files = dict(own)
+                if shared is not None:
+                    files[SHARED] = write_atomic(os.path.join(folder, SHARED), lambda f: torch.save(shared, f))
+                if shards is not None:
+                    files.update(self._write_shards(folder, join_dtensors(shards, layouts)))
+                self._write_receipt(folder, files)
             if self.env.is_main:
                 self.commit(folder, step)
         except BaseException as exc:  # handed to the training thread by wait() or wait_until_copied()
@@ -218,30 +239,8 @@ class Snapshots(SnapshotFolder):
                     f"rank {rank}'s part of {folder} did not appear within {self.commit_timeout:.0f} s: is "
                     "--snapshot-dir a folder every machine shares?"
                 )
-            with open(path, encoding="utf-8") as handle:
-                receipt = json.load(handle)
-            expected = {rank_file(rank)} | ({SHARED} if rank == 0 else set())
-            if self.sharded and isinstance(receipt, dict) and isinstance(receipt.get("files"), dict):
-                expected |= {name for name in receipt["files"] if shard_of(name) == rank}
-            if (
-                not isinstance(receipt, dict)
-                or not isinstance(receipt.get("files"), dict)
-                or set(receipt["files"]) != expected
-            ):
-                raise SnapshotError(f"{path} is not a receipt for rank {rank}'s files {sorted(expected)}")
-            files.update(receipt["files"])
-        manifest = {
-            "format": FORMAT,
-            "step": step,
-            "world_size": self.env.world_size,
-            "files": files,
-            "created": time.time(),
-            "job": self.job,
-        }
-        manifest["manifest_sha256"] = manifest_digest(manifest)
-        problem = manifest_problem(manifest, step)
-        if problem:  # never commit what a reader would reject
-            raise SnapshotError(f"{folder}: not committing a malformed manifest: {problem}")
+            files.update(read_receipt(folder, rank)["files"])
+        manifest = new_manifest(folder, step, self.env.world_size, files, self.job)  # never one a reader rejects
         if self._closed:
             raise SnapshotError(f"not committing {folder}: the snapshot folder was closed while it was written")
         if self.job_lock is not None and self.job_lock.lost:
