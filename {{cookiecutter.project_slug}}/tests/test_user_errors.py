@@ -7,14 +7,13 @@ against UserCode directly where no launch is needed to show it.
 
 import importlib
 import re
-import shutil
 import sys
 import textwrap
 import time
 
 import pytest
 import torch
-from conftest import PACKAGE, QUICK, ROOT, child_env, outputs, run, train_cmd
+from conftest import PACKAGE, QUICK, child_env, outputs, project, run, train_cmd
 
 from {{ cookiecutter.project_slug }}.machinery.faults import Refused
 from {{ cookiecutter.project_slug }}.machinery.hooks import UserCode
@@ -29,17 +28,6 @@ SHORT = QUICK + ["--max-steps", "6", "--batch-size", "8", "--eval-every", "0", "
 def records(text, level, rank=None):
     """The messages of the console records of `level` (from `rank`, or any)."""
     return [m.group(3) for m in RECORD.finditer(text) if m.group(1) == level and rank in (None, int(m.group(2)))]
-
-
-def project(tmp_path, model="", data=""):
-    """A copy of this project whose model.py and data.py end with `model` and `data` (later definitions win)."""
-    workspace = tmp_path / "project"
-    shutil.copytree(ROOT / PACKAGE, workspace / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "train.py", workspace / "train.py")
-    for name, extra in (("model.py", model), ("data.py", data)):
-        path = workspace / PACKAGE / name
-        path.write_text(path.read_text() + "\n\n" + textwrap.dedent(extra))
-    return workspace
 
 
 def line_of(workspace, file, text):
