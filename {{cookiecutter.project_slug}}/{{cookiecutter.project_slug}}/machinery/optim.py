@@ -11,6 +11,7 @@ ChainedScheduler with each scheduler they hold.
 
 from __future__ import annotations
 
+import copy
 from collections import Counter, OrderedDict
 from typing import Any
 
@@ -235,8 +236,11 @@ def optimizer_warnings(model: nn.Module, optimizer: torch.optim.Optimizer) -> li
 
 
 def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Each group's settings, without its parameters."""
-    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    """A copy of each group's settings, without its parameters (a tensor among them may change in place)."""
+    return [
+        {key: copy.deepcopy(value) for key, value in group.items() if key != "params"}
+        for group in optimizer.param_groups
+    ]
 
 
 def reapply_hyperparameters(

@@ -4,9 +4,10 @@ What a resume takes from the snapshot, and what from the command line (or --conf
 - From the snapshot: every part of state.py (weights, optimizer state, scheduler, scaler, step, data position,
   every rank's random streams), the run id, and the run's length in samples (see `RunLength`).
 - From the command line: everything else, applied from the first resumed step. The default learning-rate schedule
-  is a function of the samples seen, so a new --lr, --warmup-steps, --max-steps or --epochs rescales it; the
-  optimizer's hyperparameters come from build_optimizer with the new settings, group by group (a new
-  --weight-decay applies, a no-decay group stays no-decay); --batch-size and --grad-accum change the step size
+  is a function of the samples seen, so a new --lr, --warmup-steps, --max-steps or --epochs rescales it; an
+  optimizer hyperparameter that build_optimizer makes differently with the new settings applies, group by group (a
+  new --weight-decay applies, a no-decay group stays no-decay; the others, those a scheduler drives among them,
+  come from the snapshot: optim.OptimizerPart); --batch-size and --grad-accum change the step size
   while the data position stays exact in samples. The changed settings are logged once.
 - A snapshot of another model (other layer names or shapes) stops the run with one line: use --resume never.
 """
