@@ -7,10 +7,12 @@ import os
 import pty
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -240,12 +242,29 @@ def rank_pids(accept):
     return found
 
 
-def sigkill_at_random_and_resume(tmp_path, nproc, args, kill_after=(12, 40)):
+def project(tmp_path, model="", data=""):
+    """A copy of this project whose model.py and data.py end with `model` and `data` (later definitions win)."""
+    workspace = tmp_path / "project"
+    shutil.copytree(ROOT / PACKAGE, workspace / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "train.py", workspace / "train.py")
+    for name, extra in (("model.py", model), ("data.py", data)):
+        path = workspace / PACKAGE / name
+        path.write_text(path.read_text() + "\n\n" + textwrap.dedent(extra))
+    return workspace
+
+
+def sigkill_at_random_and_resume(tmp_path, nproc, args, kill_after=(12, 40), workspace=None):
     """An uninterrupted run ("reference") and one whose random rank is SIGKILLed after a random logged step in
-    `kill_after`, at a random moment (mid-step, mid-save or between saves), and restarted by torchrun.
-    Returns the summary of the restarted run, which must have finished."""
-    run(train_cmd(nproc) + args + outputs(tmp_path, "reference"))
-    proc = start(train_cmd(nproc, ["--max-restarts=2"]) + args + outputs(tmp_path))
+    `kill_after`, at a random moment (mid-step, mid-save or between saves), and restarted by torchrun; both of
+    this project, or of `workspace` (a copy from `project`). Returns the summary of the restarted run, which must
+    have finished."""
+    script, env = "train.py", None
+    if workspace is not None:
+        script, env = str(workspace / "train.py"), child_env(PYTHONPATH=workspace)
+    run(train_cmd(nproc, script=script) + args + outputs(tmp_path, "reference"), env=env, cwd=workspace)
+    proc = start(
+        train_cmd(nproc, ["--max-restarts=2"], script=script) + args + outputs(tmp_path), env=env, cwd=workspace
+    )
     step = random.randint(*kill_after)
     wait_for(lambda: any(logged >= step for logged in logged_steps(tmp_path)), timeout=180, what=f"step {step}")
     time.sleep(random.uniform(0, 0.3))

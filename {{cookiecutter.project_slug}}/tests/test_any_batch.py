@@ -419,3 +419,14 @@ def test_a_changed_base_lr_reaches_the_users_scheduler_on_resume_and_left_out_pa
     optimizer.step()
     scheduler.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5 / 5)
+
+
+def test_a_parameter_in_two_optimizers_or_two_groups_is_named_at_start_up():
+    from {{ cookiecutter.project_slug }}.machinery.optim import as_optimizer, optimizer_warnings
+
+    model = torch.nn.Linear(2, 2)
+    both = as_optimizer([torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.AdamW([model.weight], lr=0.1)])
+    (line,) = optimizer_warnings(model, both)  # each step would move the weight twice
+    assert "weight" in line and "bias" not in line, line
+    groups = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1)
+    assert optimizer_warnings(model, groups) == []

@@ -10,6 +10,7 @@ from conftest import (
     final_model,
     metrics,
     outputs,
+    project,
     run,
     sigkill_at_random_and_resume,
     summary,
@@ -26,6 +27,26 @@ def test_sigkill_at_a_random_moment_ends_bitwise_equal_with_4_ranks(tmp_path):
     assert resumed["steps"] == STEPS and resumed["resumed_from"] >= 0, resumed
     reference = final_model(tmp_path / "reference-snapshots")
     assert_same_weights(reference["model"], final_model(tmp_path / "run-snapshots")["model"])
+
+
+# Linear warmup, then cosine decay: two schedulers in a SequentialLR, as torch's documentation builds it.
+WARMUP_THEN_COSINE = """
+def build_scheduler(cfg, optimizer, total_steps):
+    warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=10)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps - 10)
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[10])
+"""
+
+
+def test_a_sequential_lr_schedule_of_your_own_ends_bitwise_equal_after_a_sigkill(tmp_path):
+    """The kill comes after step 12 to 22: the restart resumes at the milestone (step 10) or inside the cosine."""
+    workspace = project(tmp_path, model=WARMUP_THEN_COSINE)
+    args = EXACT + ["--max-steps", "30"]
+    resumed = sigkill_at_random_and_resume(tmp_path, 2, args, kill_after=(12, 22), workspace=workspace)
+    assert resumed["steps"] == 30 and resumed["resumed_from"] >= 10, resumed
+    reference = final_model(tmp_path / "reference-snapshots")
+    assert_same_weights(reference["model"], final_model(tmp_path / "run-snapshots")["model"])
+    assert reference["scheduler"]["last_epoch"] == 30  # the user's schedule, not the default one
 
 
 def test_world_size_1_then_2_then_1_keeps_the_run_length_and_schedule_in_samples(tmp_path):

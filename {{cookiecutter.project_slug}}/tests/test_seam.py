@@ -18,7 +18,9 @@ from {{ cookiecutter.project_slug }} import config, model
 from {{ cookiecutter.project_slug }}.data import build_datasets
 from {{ cookiecutter.project_slug }}.machinery.batches import Batches, Progress, RunLength
 from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
+from {{ cookiecutter.project_slug }}.machinery.optim import OptimizerPart, SchedulerPart
 from {{ cookiecutter.project_slug }}.machinery.snapshot import Snapshots, capture_rng, load_latest
+from {{ cookiecutter.project_slug }}.machinery.state import ModelPart, RngPart, TrainState
 
 FAST = ["--wandb", "disabled", "--log-every", "5"]
 
@@ -344,3 +346,104 @@ def test_compile_trains_and_snapshots_keep_the_unwrapped_names(tmp_path):
     names = set(model.build_model(cfg_of(), build_datasets(cfg_of())[0]).state_dict())
     assert set(load_latest(str(tmp_path / "run-snapshots"))["model"]) == names
     assert set(torch.load(tmp_path / "run-export" / "model.pt", weights_only=True)) == names
+
+
+# Your optimizer and schedule, resumed: in process, through the snapshot parts and a snapshot folder.
+
+
+def built(make_optimizer, make_scheduler, lr=1.0):
+    """A small model, its optimizer and schedule, and the parts a snapshot holds, added in start-up's order."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = make_optimizer(net, lr)
+    scheduler = make_scheduler(optimizer)
+    state = TrainState(DistEnv(), sharded=False)
+    state.add("model", ModelPart(net))
+    state.add("optimizer", OptimizerPart(optimizer))
+    state.add("scheduler", SchedulerPart(scheduler))
+    state.add("rng", RngPart(), per_rank=True)
+    return net, optimizer, scheduler, state
+
+
+def train_steps(net, optimizer, scheduler, steps, first):
+    """`steps` optimizer steps from step `first`; the learning rate of each."""
+    lrs = []
+    for step in range(first, first + steps):
+        inputs = torch.randn(16, 4, generator=torch.Generator().manual_seed(step))
+        optimizer.zero_grad()
+        net(inputs).square().mean().backward()
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+def save_and_resume(folder, state, step, rebuilt_state):
+    """Snapshot `state` at `step` into `folder` (a snapshot folder, as a run writes it) and restore it into
+    `rebuilt_state`, as a restarted run does."""
+    snapshots = Snapshots(folder, DistEnv(), keep=3)
+    snapshots.prepare(estimated_bytes=1)
+    shared, rank_state, _ = state.capture()
+    shared.update(step=step, config={}, run_id="x", torch_version=str(torch.__version__))
+    snapshots.save(step, shared, rank_state, blocking=True)
+    resumed = snapshots.resume()
+    snapshots.close()
+    rebuilt_state.restore(resumed, str(folder))
+
+
+SGD_MOMENTUM = lambda net, lr: torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)  # noqa: E731
+ADAMW = lambda net, lr: torch.optim.AdamW(net.parameters(), lr=lr)  # noqa: E731
+SCHEDULES = {
+    "OneCycleLR, AdamW's betas": (ADAMW, lambda o: torch.optim.lr_scheduler.OneCycleLR(o, o.defaults["lr"], 12)),
+    "OneCycleLR, SGD's momentum": (
+        SGD_MOMENTUM,
+        lambda o: torch.optim.lr_scheduler.OneCycleLR(o, o.defaults["lr"], 12),
+    ),
+    "warmup then cosine, SequentialLR": (
+        ADAMW,
+        lambda o: torch.optim.lr_scheduler.SequentialLR(
+            o,
+            [
+                torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=3),
+                torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=9),
+            ],
+            milestones=[3],
+        ),
+    ),
+    "ChainedScheduler": (
+        SGD_MOMENTUM,
+        lambda o: torch.optim.lr_scheduler.ChainedScheduler(
+            [
+                torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=3),
+                torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9),
+            ]
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_schedule_of_your_own_resumes_bitwise_and_takes_a_new_lr(tmp_path, schedule):
+    """Resumed at step 5 of 12 with the same settings, the weights end bitwise equal to an uninterrupted run's:
+    what the scheduler drives (OneCycleLR's betas or momentum, each scheduler inside a SequentialLR or
+    ChainedScheduler) continues where it was. Resumed with half the learning rate, every scheduler inside takes the
+    new base rate: the learning rates from then on are those of a run started with it."""
+    make_optimizer, make_scheduler = SCHEDULES[schedule]
+    net, optimizer, scheduler, _ = built(make_optimizer, make_scheduler)
+    train_steps(net, optimizer, scheduler, 12, 0)
+    uninterrupted = {name: value.clone() for name, value in net.state_dict().items()}
+
+    net, optimizer, scheduler, state = built(make_optimizer, make_scheduler)
+    train_steps(net, optimizer, scheduler, 5, 0)
+    net, optimizer, scheduler, restored = built(make_optimizer, make_scheduler)
+    save_and_resume(tmp_path / "same", state, 5, restored)
+    train_steps(net, optimizer, scheduler, 7, 5)
+    different = [name for name, value in net.state_dict().items() if not torch.equal(value, uninterrupted[name])]
+    assert not different, f"weights differ in {different}"
+
+    half, optimizer, scheduler, restored = built(make_optimizer, make_scheduler, lr=0.5)
+    save_and_resume(tmp_path / "half", state, 5, restored)
+    resumed_lrs = train_steps(half, optimizer, scheduler, 7, 5)
+    fresh = built(make_optimizer, make_scheduler, lr=0.5)[:3]
+    fresh_lrs = train_steps(*fresh, 12, 0)[5:]
+    assert resumed_lrs == pytest.approx(fresh_lrs, rel=1e-6)

@@ -451,3 +451,47 @@ def test_a_sharded_snapshots_extra_part_is_read_back_whole_with_its_nesting(tmp_
     assert read["shadow"].keys() == ema["shadow"].keys()
     assert all(torch.equal(read["shadow"][name], ema["shadow"][name]) for name in ema["shadow"])
     assert read_sharded_model(str(tmp_path)).keys() == {"layer.weight"}
+
+
+class RunningStatistic:
+    """A part of extra_state that compute_loss changes in place at every forward: a count and a history."""
+
+    def __init__(self):
+        self.count, self.history = torch.zeros(()), []
+
+    def forward(self):
+        self.count.add_(1)
+        self.history.append(float(self.count))
+
+    def state_dict(self):
+        return {"count": self.count, "history": self.history}
+
+    def load_state_dict(self, state):
+        self.count.copy_(state["count"])
+        self.history[:] = state["history"]
+
+
+def test_an_extra_part_is_saved_as_it_was_at_the_snapshot_step(tmp_path):
+    """The writer thread copies a snapshot while the next step's forward runs (the model and the optimizer do not
+    change before the next optimizer step, which waits for that copy). A part of extra_state that the forward
+    changes is saved as it was at the snapshot step, not torn by the next step."""
+    from {{ cookiecutter.project_slug }}.machinery.optim import OptimizerPart
+    from {{ cookiecutter.project_slug }}.machinery.state import ModelPart, RngPart, TrainState
+
+    model, statistic = torch.nn.Linear(2, 2), RunningStatistic()
+    state = TrainState(DistEnv(), sharded=False)
+    state.add("model", ModelPart(model))
+    state.add("optimizer", OptimizerPart(torch.optim.SGD(model.parameters(), lr=0.1)))
+    state.add("rng", RngPart(), per_rank=True)
+    state.add("statistic", statistic, extra=True)
+    for _ in range(5):
+        statistic.forward()
+    shared, rank_state, _ = state.capture()  # the snapshot of step 5
+    shared.update(step=5, config={}, run_id="x", torch_version=str(torch.__version__))
+    statistic.forward()  # the next step's forward, before the writer thread has copied the snapshot
+    snapshots = Snapshots(tmp_path, DistEnv(), keep=3)
+    snapshots.prepare(estimated_bytes=1)
+    snapshots.save(5, shared, rank_state, blocking=True)
+    snapshots.close()
+    saved = load_latest(str(tmp_path))["statistic"]
+    assert float(saved["count"]) == 5 and saved["history"] == [1.0, 2.0, 3.0, 4.0, 5.0]

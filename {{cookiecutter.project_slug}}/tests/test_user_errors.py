@@ -7,14 +7,13 @@ against UserCode directly where no launch is needed to show it.
 
 import importlib
 import re
-import shutil
 import sys
 import textwrap
 import time
 
 import pytest
 import torch
-from conftest import PACKAGE, QUICK, ROOT, child_env, outputs, run, train_cmd
+from conftest import PACKAGE, QUICK, child_env, outputs, project, run, train_cmd
 
 from {{ cookiecutter.project_slug }}.machinery.faults import Refused
 from {{ cookiecutter.project_slug }}.machinery.hooks import UserCode
@@ -29,17 +28,6 @@ SHORT = QUICK + ["--max-steps", "6", "--batch-size", "8", "--eval-every", "0", "
 def records(text, level, rank=None):
     """The messages of the console records of `level` (from `rank`, or any)."""
     return [m.group(3) for m in RECORD.finditer(text) if m.group(1) == level and rank in (None, int(m.group(2)))]
-
-
-def project(tmp_path, model="", data=""):
-    """A copy of this project whose model.py and data.py end with `model` and `data` (later definitions win)."""
-    workspace = tmp_path / "project"
-    shutil.copytree(ROOT / PACKAGE, workspace / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "train.py", workspace / "train.py")
-    for name, extra in (("model.py", model), ("data.py", data)):
-        path = workspace / PACKAGE / name
-        path.write_text(path.read_text() + "\n\n" + textwrap.dedent(extra))
-    return workspace
 
 
 def line_of(workspace, file, text):
@@ -339,6 +327,7 @@ def test_build_optimizer_returning_no_optimizer_is_one_line(user_code, returned,
         ("torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)", ["build_scheduler", "ReduceLROnPlateau"]),
         ("None", ["build_scheduler", "None"]),
         ("optimizer", ["build_scheduler", "SGD"]),
+        ("[torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)]", ["build_scheduler", "list"]),
     ],
 )
 def test_build_scheduler_returning_what_the_loop_cannot_step_is_one_line(user_code, returned, words):
@@ -362,6 +351,24 @@ def test_a_stream_as_validation_data_is_refused_at_start_up(user_code):
         """
     )
     with pytest.raises(RunError, match="build_datasets.*IterableDataset"):
+        user.build_datasets(None)
+
+
+@pytest.mark.parametrize("which", ["train", "val"])
+def test_a_map_style_dataset_without_len_is_refused_at_start_up(user_code, which):
+    user = user_code(
+        data=f"""
+        class NoLength(torch.utils.data.Dataset):
+            def __getitem__(self, index):
+                return torch.randn(4), torch.tensor(0)
+
+
+        def build_datasets(cfg):
+            items = [(torch.randn(4), torch.tensor(0))] * 8
+            return {"NoLength(), items" if which == "train" else "items, NoLength()"}
+        """
+    )
+    with pytest.raises(RunError, match="build_datasets.*NoLength.*len"):
         user.build_datasets(None)
 
 
@@ -406,3 +413,88 @@ def test_compute_loss_beside_val_metrics_is_named_as_unused(user_code):
     (line,) = user.unused()
     assert "val_metrics" in line and "compute_loss" in line
     assert user_code().unused() == []
+
+
+# -- snapshot parts that do not fit ---------------------------------------------------------------------------------
+
+
+class Counter:
+    """A part of extra_state: a count, whose load_state_dict may refuse what it is given."""
+
+    def __init__(self, refuse=False):
+        self.count, self.refuse = torch.zeros(()), refuse
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        if self.refuse:
+            raise ValueError("the counter wants a 'total'")
+        self.count.copy_(state["count"])
+
+
+@pytest.mark.parametrize("name", ["world_size", "sharded_dir", "rank_state", "step", "scheduler"])
+def test_an_extra_part_named_as_an_entry_of_the_snapshot_is_refused(name):
+    from {{ cookiecutter.project_slug }}.machinery.state import checked_parts
+
+    with pytest.raises(RunError, match=f"extra_state.*{name!r}"):
+        checked_parts({name: Counter()})
+    assert list(checked_parts({"counter": Counter()})) == ["counter"]
+
+
+def parts(sharded=False, optimizers=("SGD",), extra=None):
+    """A TrainState of a small model, its optimizer(s) (by class name) and extra parts, as start-up adds them."""
+    from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
+    from {{ cookiecutter.project_slug }}.machinery.optim import OptimizerPart, as_optimizer
+    from {{ cookiecutter.project_slug }}.machinery.state import ModelPart, TrainState
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = as_optimizer([getattr(torch.optim, name)(model.parameters(), lr=0.1) for name in optimizers])
+    state = TrainState(DistEnv(), sharded=sharded)
+    state.add("model", ModelPart(model))
+    state.add("optimizer", OptimizerPart(optimizer))
+    for name, part in (extra or {}).items():
+        state.add(name, part, extra=True)
+    return state
+
+
+def saved(state):
+    """What a ddp snapshot of `state` holds, as resume() gives it back."""
+    shared, _, _ = state.capture()
+    return {**shared, "rank_state": None, "world_size": 1, "sharded_dir": ""}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # a save in one process, without a group: meant
+def test_an_extra_part_added_since_the_snapshot_is_named_under_ddp_and_fsdp(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    with pytest.raises(RunError, match="'ema'.*extra_state"):
+        parts(extra={"ema": Counter()}).restore(saved(parts()), "step-00000010")
+    # fsdp: the model's and optimizer's shards in torch.distributed.checkpoint's files, no part "ema" among them
+    before = parts(sharded=True)
+    shared, _, _ = before.capture()
+    dcp.save({"model": torch.nn.Linear(2, 2).state_dict()}, checkpoint_id=str(tmp_path), no_dist=True)
+    resumed = {**shared, "rank_state": None, "world_size": 2, "sharded_dir": str(tmp_path)}
+    with pytest.raises(RunError, match="'ema'.*extra_state"):
+        parts(sharded=True, extra={"ema": Counter()}).restore(resumed, "step-00000010")
+
+
+def test_an_extra_part_whose_load_state_dict_raises_is_named_with_its_error():
+    with pytest.raises(RunError, match="'counter'.*ValueError.*the counter wants a 'total'"):
+        parts(extra={"counter": Counter(refuse=True)}).restore(saved(parts(extra={"counter": Counter()})), "there")
+
+
+@pytest.mark.parametrize(
+    "then, now",
+    [
+        (("SGD", "SGD"), ("SGD",)),
+        (("SGD",), ("SGD", "SGD")),
+        (("AdamW",), ("SGD",)),
+        (("SGD", "AdamW"), ("SGD", "SGD")),
+    ],
+)
+def test_a_snapshot_of_other_optimizers_says_what_it_holds_and_what_build_optimizer_returns(then, now):
+    with pytest.raises(RunError) as refused:
+        parts(optimizers=now).restore(saved(parts(optimizers=then)), "there")
+    line = str(refused.value)
+    assert ", ".join(then) in line and ", ".join(now) in line and "build_optimizer" in line, line

@@ -315,6 +315,18 @@ def _check_datasets(value: Any) -> None:
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         what = f"{len(value)} values" if isinstance(value, (tuple, list)) else f"a {type(value).__name__}"
         raise RunError(f"build_datasets in data.py returned {what}: return (train, val), val may be None")
+    for kind, dataset in (("training", value[0]), ("validation", value[1])):
+        if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset):
+            continue
+        try:
+            len(dataset)
+        except TypeError:
+            stream = " or make it a torch.utils.data.IterableDataset (a stream)" if kind == "training" else ""
+            raise RunError(
+                f"build_datasets in data.py returned a {kind} set ({type(dataset).__name__}) without len(): a "
+                f"map-style dataset (dataset[i]) needs __len__ too, for the trainer to give each rank its share; "
+                f"define __len__{stream}"
+            ) from None
     if isinstance(value[1], torch.utils.data.IterableDataset):
         raise RunError(
             "build_datasets in data.py returned a validation set that is an IterableDataset (a stream): evaluation "
@@ -338,15 +350,20 @@ def _check_optimizer(value: Any) -> None:
 
 
 def _check_scheduler(value: Any) -> None:
-    schedulers = value if isinstance(value, (list, tuple)) else [value]
-    for each in schedulers:
-        if isinstance(each, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            raise RunError(
-                "build_scheduler in model.py returned a ReduceLROnPlateau, which steps on a metric: the trainer "
-                "steps the schedule once per optimizer step, with no argument; return a schedule of the steps "
-                "(LambdaLR, OneCycleLR, CosineAnnealingLR, ...)"
-            )
-    if not schedulers or not all(isinstance(each, torch.optim.lr_scheduler.LRScheduler) for each in schedulers):
+    if isinstance(value, (list, tuple)):
+        raise RunError(
+            f"build_scheduler in model.py returned {_shown(value)}: return one LRScheduler of the optimizer it is "
+            "given. When build_optimizer returns several optimizers, build_scheduler is given them as one, whose "
+            "param_groups are all of theirs: one schedule moves them all (LambdaLR(optimizer, [f, g, ...]) gives "
+            "each group a function of its own)"
+        )
+    if isinstance(value, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise RunError(
+            "build_scheduler in model.py returned a ReduceLROnPlateau, which steps on a metric: the trainer "
+            "steps the schedule once per optimizer step, with no argument; return a schedule of the steps "
+            "(LambdaLR, OneCycleLR, CosineAnnealingLR, ...)"
+        )
+    if not isinstance(value, torch.optim.lr_scheduler.LRScheduler):
         raise RunError(
             f"build_scheduler in model.py returned {_shown(value)}: return a torch.optim.lr_scheduler.LRScheduler "
             "of the optimizer it is given; delete build_scheduler for the default warmup and cosine decay"

@@ -1,15 +1,18 @@
 """The optimizer and the learning-rate schedule when model.py brings none, and how both resume.
 
-On resume the optimizer's state (moments, step counts) comes from the snapshot, and its hyperparameters from
-build_optimizer with the current settings, group by group (`OptimizerPart`): a new --weight-decay applies, and a
-no-decay group stays no-decay. The learning rate is the scheduler's: the default schedule is a function of the
-samples seen and the current --lr and --warmup-steps, so it needs no state of its own; a user's LRScheduler is saved
-and restored whole (its position and base learning rates).
+On resume the optimizer's state (moments, step counts) comes from the snapshot, and so do its hyperparameters,
+except those the current build_optimizer (and build_scheduler) make differently from the run that wrote the
+snapshot, group by group (`OptimizerPart`): a new --weight-decay applies, a no-decay group stays no-decay, and what a
+scheduler drives (OneCycleLR's betas or momentum) continues where it was. The learning rate is the scheduler's: the
+default schedule is a function of the samples seen and the current --lr and --warmup-steps, so it needs no state of
+its own; a user's LRScheduler is saved and restored whole (its position and base learning rates), SequentialLR and
+ChainedScheduler with each scheduler they hold.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import copy
+from collections import Counter, OrderedDict
 from typing import Any
 
 import torch
@@ -17,7 +20,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from .batches import Progress, RunLength
-from .settings import RunError
+from .settings import RunError, flag
 
 
 def default_optimizer(cfg: Any, model: nn.Module) -> torch.optim.Optimizer:
@@ -114,35 +117,64 @@ class SampleSchedule(LRScheduler):
             group["lr"] = lr
 
 
-class OptimizerPart:
-    """The optimizer as a snapshot part: state from the snapshot, hyperparameters from the current build_optimizer.
+STARTED_WITH = "started_with"  # beside an optimizer's state in a snapshot: what the run's start made
 
-    The learning rate is left as the snapshot has it: the scheduler restored after it sets it.
+
+class OptimizerPart:
+    """The optimizer as a snapshot part. Its state and hyperparameters come from the snapshot, but for each
+    hyperparameter that this run's start (build_optimizer, then build_scheduler) made differently from the start of
+    the run that wrote the snapshot: a setting changed since, which applies from now on. So a hyperparameter a
+    scheduler moves as it steps (OneCycleLR's betas or momentum) resumes where it was, not where a fresh scheduler
+    puts it. The learning rate is left as the snapshot has it: the scheduler restored after it sets it.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
+        self.started = {
+            "optimizers": [type(each).__name__ for each in optimizers_of(optimizer)],
+            "param_groups": hyperparameters(optimizer),
+        }
 
     def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+        return {**self.optimizer.state_dict(), STARTED_WITH: self.started}
+
+    def check(self, state: dict[str, Any]) -> None:
+        """Refuse a snapshot of other optimizers (another number of them, or another class) in one line."""
+        then = state.get(STARTED_WITH, {}).get("optimizers")
+        now = self.started["optimizers"]
+        if then is not None and list(then) != now:
+            raise RunError(
+                f"the snapshot holds the optimizer(s) {', '.join(then)} and build_optimizer now returns "
+                f"{', '.join(now)}: resume with the same ones, or start from scratch with {flag('resume')} never"
+            )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        current = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        self.check(state)
+        current = self.started["param_groups"]
         saved = state.get("param_groups", [])
         if len(saved) != len(current):
             raise RunError(
                 f"the optimizer in the snapshot has {len(saved)} parameter group(s) and build_optimizer now makes "
-                f"{len(current)}: resume with the same groups, or start from scratch with --resume never"
+                f"{len(current)}: resume with the same groups, or start from scratch with {flag('resume')} never"
             )
-        self.optimizer.load_state_dict(state)
-        reapply_hyperparameters(self.optimizer, current)
+        self.optimizer.load_state_dict({key: value for key, value in state.items() if key != STARTED_WITH})
+        reapply_hyperparameters(self.optimizer, current, state.get(STARTED_WITH, {}).get("param_groups"))
+
+
+def scheduler_leaves(scheduler: LRScheduler) -> list[LRScheduler]:
+    """The schedulers that hold base learning rates: those inside a SequentialLR or ChainedScheduler, else itself."""
+    inner = getattr(scheduler, "_schedulers", None)
+    if inner is None:
+        return [scheduler] if hasattr(scheduler, "base_lrs") else []
+    return [leaf for each in inner for leaf in scheduler_leaves(each)]
 
 
 class SchedulerPart:
     """Your LRScheduler as a snapshot part: its position from the snapshot, its base learning rates from the current
     build_optimizer. A resume with another --lr (when build_optimizer uses it) thus reaches your schedule: the
     restored learning rates are rescaled by new base / old base, which is exact for the schedules that scale with
-    the base rate (LambdaLR, StepLR, CosineAnnealingLR to 0, ...)."""
+    the base rate (LambdaLR, StepLR, CosineAnnealingLR to 0, ...). Inside a SequentialLR or ChainedScheduler, every
+    scheduler takes the new base rates."""
 
     def __init__(self, scheduler: LRScheduler):
         self.scheduler = scheduler
@@ -152,18 +184,21 @@ class SchedulerPart:
         return self.scheduler.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        current: list[float | torch.Tensor] = [float(base) for base in self.scheduler.base_lrs]
+        leaves = scheduler_leaves(self.scheduler)
+        current = [[float(base) for base in leaf.base_lrs] for leaf in leaves]
         self.scheduler.load_state_dict(state)
-        saved = [float(base) for base in self.scheduler.base_lrs]
-        if saved == current or len(saved) != len(current):
+        saved = [[float(base) for base in leaf.base_lrs] for leaf in leaves]
+        if not leaves or saved == current or any(len(a) != len(b) for a, b in zip(saved, current, strict=True)):
             return
-        self.scheduler.base_lrs = current
+        for leaf, bases in zip(leaves, current, strict=True):
+            leaf.base_lrs = list(bases)
         groups = self.scheduler.optimizer.param_groups
-        for group, old, new in zip(groups, saved, current, strict=True):
+        for group, old, new in zip(groups, saved[0], current[0], strict=True):
             group["initial_lr"] = new
             group["lr"] = group["lr"] * new / old if old else new
-        self.scheduler._last_lr = [group["lr"] for group in groups]  # what get_last_lr() reports
-        self.rescaled = [(old, float(new)) for old, new in zip(saved, current, strict=True)]
+        for each in (self.scheduler, *leaves):
+            each._last_lr = [group["lr"] for group in groups]  # what get_last_lr() reports
+        self.rescaled = list(zip(saved[0], current[0], strict=True))
 
 
 def unoptimized_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -172,9 +207,76 @@ def unoptimized_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -
     return [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in held]
 
 
-def reapply_hyperparameters(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
-    """Put each group's hyperparameters from `groups` back, except the learning rate (the scheduler's)."""
-    for group, settings in zip(optimizer.param_groups, groups, strict=True):
+def doubly_optimized_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names of the parameters in more than one group (of one optimizer, or of several): each step moves them
+    once per group."""
+    held = Counter(id(p) for group in optimizer.param_groups for p in group["params"])
+    return [name for name, p in model.named_parameters() if held[id(p)] > 1]
+
+
+def optimizer_warnings(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """One line per kind of parameter build_optimizer gets wrong: left out of every group, or in several."""
+    lines = []
+    for names, what in (
+        (
+            unoptimized_parameters(model, optimizer),
+            "leaves out {count} parameter(s) that get gradients: {names}. They are never trained: add them to a "
+            "group, or set requires_grad=False on them",
+        ),
+        (
+            doubly_optimized_parameters(model, optimizer),
+            "puts {count} parameter(s) in more than one group or optimizer: {names}. Each step moves them once "
+            "per group: keep each parameter in one group only",
+        ),
+    ):
+        if names:
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            lines.append("build_optimizer in model.py " + what.format(count=len(names), names=shown))
+    return lines
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """A copy of each group's settings, without its parameters (a tensor among them may change in place)."""
+    return [
+        {key: copy.deepcopy(value) for key, value in group.items() if key != "params"}
+        for group in optimizer.param_groups
+    ]
+
+
+def reapply_hyperparameters(
+    optimizer: torch.optim.Optimizer, current: list[dict[str, Any]], then: list[dict[str, Any]] | None = None
+) -> None:
+    """Put back each group's hyperparameter from `current` (this run's start) that differs from `then` (the start
+    of the run that wrote the snapshot; None: unknown, put back every one), element by element in a tuple such as
+    Adam's betas; never the learning rate (the scheduler's)."""
+    for index, (group, settings) in enumerate(zip(optimizer.param_groups, current, strict=True)):
+        before = then[index] if then is not None and index < len(then) else None
         for key, value in settings.items():
-            if key not in ("lr", "initial_lr"):
+            if key in ("lr", "initial_lr"):
+                continue
+            if before is None or key not in before or key not in group:
                 group[key] = value
+            else:
+                group[key] = _changed(group[key], before[key], value)
+
+
+def _changed(restored: Any, then: Any, now: Any) -> Any:
+    """`restored`, unless the start's value went from `then` to `now`: `now` then (per element of a tuple)."""
+    if _same(then, now):
+        return restored
+    sequences = all(isinstance(value, (tuple, list)) for value in (restored, then, now))
+    if sequences and len(restored) == len(then) == len(now):
+        return type(now)(_changed(*each) for each in zip(restored, then, now, strict=True))
+    return now
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        tensors = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+        return tensors and a.shape == b.shape and torch.equal(a.detach().cpu(), b.detach().cpu())
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):
+        return False

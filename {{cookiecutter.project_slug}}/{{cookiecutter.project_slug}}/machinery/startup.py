@@ -4,9 +4,10 @@ What a resume takes from the snapshot, and what from the command line (or --conf
 - From the snapshot: every part of state.py (weights, optimizer state, scheduler, scaler, step, data position,
   every rank's random streams), the run id, and the run's length in samples (see `RunLength`).
 - From the command line: everything else, applied from the first resumed step. The default learning-rate schedule
-  is a function of the samples seen, so a new --lr, --warmup-steps, --max-steps or --epochs rescales it; the
-  optimizer's hyperparameters come from build_optimizer with the new settings, group by group (a new
-  --weight-decay applies, a no-decay group stays no-decay); --batch-size and --grad-accum change the step size
+  is a function of the samples seen, so a new --lr, --warmup-steps, --max-steps or --epochs rescales it; an
+  optimizer hyperparameter that build_optimizer makes differently with the new settings applies, group by group (a
+  new --weight-decay applies, a no-decay group stays no-decay; the others, those a scheduler drives among them,
+  come from the snapshot: optim.OptimizerPart); --batch-size and --grad-accum change the step size
   while the data position stays exact in samples. The changed settings are logged once.
 - A snapshot of another model (other layer names or shapes) stops the run with one line: use --resume never.
 """
@@ -27,7 +28,7 @@ from .optim import (
     SchedulerPart,
     as_optimizer,
     default_optimizer,
-    unoptimized_parameters,
+    optimizer_warnings,
 )
 from .settings import RunError, flag
 from .snapshot import SnapshotError
@@ -96,16 +97,8 @@ def build_and_restore(trainer: Trainer) -> dict | None:
     trainer.total_steps = trainer.length.steps(trainer.progress, trainer.global_batch)
 
     trainer.optimizer = as_optimizer((trainer.user.build_optimizer or default_optimizer)(cfg, trainer.model))
-    left_out = unoptimized_parameters(trainer.model, trainer.optimizer)
-    if left_out:
-        more = f" and {len(left_out) - 5} more" if len(left_out) > 5 else ""
-        trainer.warn_once(
-            "build_optimizer in model.py leaves out %d parameter(s) that get gradients: %s%s. They are never "
-            "trained: add them to a group, or set requires_grad=False on them",
-            len(left_out),
-            ", ".join(left_out[:5]),
-            more,
-        )
+    for line in optimizer_warnings(trainer.model, trainer.optimizer):
+        trainer.warn_once("%s", line)
     trainer.user_scheduler = None
     if trainer.user.build_scheduler is not None:
         trainer.scheduler = trainer.user.build_scheduler(cfg, trainer.optimizer, trainer.total_steps)
@@ -130,11 +123,6 @@ def build_and_restore(trainer: Trainer) -> dict | None:
         trainer.state.add("data", trainer.batches, per_rank=True)
     if trainer.user.extra_state is not None:  # model.py's own parts (an EMA of the weights, ...)
         for name, part in checked_parts(trainer.user.extra_state(cfg, trainer.model, trainer.optimizer)).items():
-            if trainer.state.has(name):
-                raise RunError(
-                    f"extra_state in model.py returns a part named {name!r}, which the snapshot holds already: "
-                    "rename it"
-                )
             trainer.state.add(name, part, extra=True)
 
     trainer.stepper = Stepper(

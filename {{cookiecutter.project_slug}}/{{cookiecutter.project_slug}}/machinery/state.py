@@ -12,7 +12,10 @@ before the first step (`TrainState.restore` hands them back), so that nothing in
 
 To snapshot something of your own (an EMA copy of the weights), return it from `extra_state(cfg, model, optimizer)`
 in model.py as {name: part}: anything with state_dict() and load_state_dict() whose state holds tensors, numbers,
-strings and containers of them. Under fsdp it is written with the model's shards (its tensors may be DTensors).
+strings and containers of them. Under fsdp it is written with the model's shards (its tensors may be DTensors). Its
+state is copied at the snapshot step, on the training thread (the model and optimizer are copied off it, before the
+next optimizer step): a part that compute_loss changes (a counter, a running statistic) is saved as it was at that
+step. Its name may be none of those the snapshot holds already (RESERVED).
 """
 
 from __future__ import annotations
@@ -29,11 +32,16 @@ from torch.distributed.tensor import DTensor
 from . import distributed
 from .batches import Progress
 from .distributed import DistEnv
-from .optim import optimizers_of, reapply_hyperparameters
+from .optim import STARTED_WITH, optimizers_of, reapply_hyperparameters
 from .settings import RunError, flag
 from .snapshot import capture_rng
+from .snapshot.staging import copied
 
 META = ("step", "config", "run_id", "torch_version")  # what shared.pt holds beside the parts
+# Every name a snapshot holds at its top level (load_latest's answer): the trainer's parts, and beside them META and
+# what reading a snapshot adds. None of them can name a part of model.py's extra_state.
+BESIDE_PARTS = (*META, "rank_state", "rank_states", "world_size", "sharded_dir")
+RESERVED = ("model", "optimizer", "scheduler", "scaler", "progress", "rng", "data", *BESIDE_PARTS)
 
 
 class Stateful(Protocol):
@@ -95,7 +103,7 @@ class TrainState:
         self.extra: list[str] = []  # model.py's extra_state parts, among the shared ones
 
     def has(self, name: str) -> bool:
-        return name in self.shared or name in self.rank or name in META or name in ("rank_state", "rank_states")
+        return name in self.shared or name in self.rank or name in BESIDE_PARTS
 
     def add(self, name: str, part: Stateful, per_rank: bool = False, extra: bool = False) -> None:
         if self.has(name):
@@ -121,11 +129,17 @@ class TrainState:
                 if name in model_state:
                     model_state[name] = buffer.detach().clone()
             sharded_state = {"model": model_state, "optimizer": optimizer_state}
-            sharded_state.update({name: self.shared[name].state_dict() for name in self.extra})
-        shared = {
-            name: {} if name in self._sharded_parts() else part.state_dict() for name, part in self.shared.items()
-        }
+            sharded_state.update({name: copied(self.shared[name].state_dict()) for name in self.extra})
+        shared = {name: self._unsharded_state(name, part) for name, part in self.shared.items()}
         return shared, {name: part.state_dict() for name, part in self.rank.items()}, sharded_state
+
+    def _unsharded_state(self, name: str, part: Stateful) -> dict[str, Any]:
+        """What shared.pt holds of a part: under fsdp, the optimizer's start only (its state is in the shards)."""
+        if name == "optimizer" and self.sharded:
+            return {STARTED_WITH: part.started}  # type: ignore[attr-defined]
+        if name in self._sharded_parts():
+            return {}
+        return copied(part.state_dict()) if name in self.extra else part.state_dict()
 
     def finite(self) -> bool:
         """Whether this rank's weights and optimizer state (its shards, under fsdp) hold no NaN or infinity."""
@@ -137,15 +151,25 @@ class TrainState:
     def restore(self, resumed: dict[str, Any], folder: str) -> dict[str, Any] | None:
         """Load a snapshot into every part but the random streams; return this rank's random streams (to restore
         last), or None when the snapshot was written by another number of ranks (re-seed them then)."""
+        for name in self.extra:
+            if name not in resumed:
+                raise RunError(
+                    f"the snapshot {folder} holds no part {name!r}, which extra_state in model.py returns now: "
+                    f"resume without it, or start from scratch with {flag('resume')} never (what the folder holds "
+                    "is moved aside)"
+                )
         try:
             if self.sharded:
-                self._load_shards(resumed["sharded_dir"])
+                self._load_shards(resumed, folder)
             for name, part in self.shared.items():
                 if name in self._sharded_parts():
                     continue
                 if name not in resumed:
                     raise KeyError(f"no part {name!r}")
-                part.load_state_dict(resumed[name])
+                if name in self.extra:
+                    self._load_extra(name, resumed[name], folder)
+                else:
+                    part.load_state_dict(resumed[name])
         except (RuntimeError, ValueError, KeyError, dcp.api.CheckpointException) as exc:
             reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
             raise RunError(
@@ -161,21 +185,35 @@ class TrainState:
                 part.load_state_dict(rank_state[name])
         return rank_state["rng"]
 
-    def _load_shards(self, folder: str) -> None:
+    def _load_shards(self, resumed: dict[str, Any], folder: str) -> None:
         """The model's and optimizer's shards (resharded by torch.distributed.checkpoint when the number of ranks
-        changed), with the optimizer's hyperparameters from the current build_optimizer."""
+        changed), with the optimizer's hyperparameters as OptimizerPart restores them."""
         model, optimizer = self._model(), self._optimizer()
-        current = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        started = resumed.get("optimizer", {})
+        self.shared["optimizer"].check(started)  # type: ignore[attr-defined]
+        current = self.shared["optimizer"].started["param_groups"]  # type: ignore[attr-defined]
         model_state, optimizer_state = get_state_dict(model, optimizers_of(optimizer))
         state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
         state.update({name: self.shared[name].state_dict() for name in self.extra})
-        dcp.load(state, checkpoint_id=folder)
+        dcp.load(state, checkpoint_id=resumed["sharded_dir"])
         set_state_dict(
             model, optimizers_of(optimizer), model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )
-        reapply_hyperparameters(optimizer, current)
+        reapply_hyperparameters(optimizer, current, started.get(STARTED_WITH, {}).get("param_groups"))
         for name in self.extra:
-            self.shared[name].load_state_dict(state[name])
+            self._load_extra(name, state[name], folder)
+
+    def _load_extra(self, name: str, state: Any, folder: str) -> None:
+        """One part of model.py's extra_state: an error of its own load_state_dict is told as that part's."""
+        try:
+            self.shared[name].load_state_dict(state)
+        except Exception as exc:
+            text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            raise RunError(
+                f"the part {name!r} of extra_state in model.py cannot load its state from the snapshot {folder}: "
+                f"its load_state_dict raised {type(exc).__name__}{': ' + text if text else ''}. Fix it, or start "
+                f"from scratch with {flag('resume')} never (what the folder holds is moved aside)"
+            ) from None
 
     def _model(self) -> nn.Module:
         return self.shared["model"].model  # type: ignore[attr-defined]
@@ -202,6 +240,11 @@ def checked_parts(parts: Any) -> dict[str, Stateful]:
     for name, part in parts.items():
         if not isinstance(name, str) or not name.isidentifier():
             raise RunError(f"extra_state in model.py returned a part named {name!r}: name each with an identifier")
+        if name in RESERVED:
+            raise RunError(
+                f"extra_state in model.py returned a part named {name!r}, a name the snapshot holds already "
+                f"({', '.join(RESERVED)}): rename it"
+            )
         if not (callable(getattr(part, "state_dict", None)) and callable(getattr(part, "load_state_dict", None))):
             raise RunError(
                 f"extra_state in model.py returned {name!r} as a {type(part).__name__}, which has no state_dict() "

@@ -19,6 +19,14 @@ def _map_state(obj: Any, fn, path: tuple = ()) -> Any:
     return fn(path, obj)
 
 
+def copied(obj: Any) -> Any:
+    """A copy of a state taken now, on the training thread, on the tensors' own devices: for a state that the next
+    step may change before the writer thread copies it (a part that the forward pass changes)."""
+    return _map_state(
+        obj, lambda place, value: value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+    )
+
+
 def copy_to_cpu(obj, staging, path=(), staged=None):
     """A deep copy with every tensor copied to CPU memory: what the writer thread serializes.
 
