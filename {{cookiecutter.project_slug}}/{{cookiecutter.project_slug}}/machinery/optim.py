@@ -130,7 +130,7 @@ class OptimizerPart:
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
-        self.started = {
+        self.started: dict[str, Any] = {
             "optimizers": [type(each).__name__ for each in optimizers_of(optimizer)],
             "param_groups": hyperparameters(optimizer),
         }
