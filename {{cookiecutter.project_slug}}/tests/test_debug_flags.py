@@ -4,11 +4,13 @@ job.
 
 import gzip
 import json
+import logging
 import os
 import re
 
 import pytest
 import torch
+import train
 from conftest import (
     EXACT,
     QUICK,
@@ -26,6 +28,7 @@ from conftest import (
 from test_debug import configuration, launch_json, resolve
 
 from {{ cookiecutter.project_slug }} import config
+from {{ cookiecutter.project_slug }}.machinery import debugflags
 from {{ cookiecutter.project_slug }}.machinery.hooks import UserCode
 
 BREAK_AT = 5
@@ -58,6 +61,90 @@ def test_launch_json_breaks_at_the_step_it_asks_for(tmp_path):
     assert (spec["module"], spec["subProcess"]) == ("torch.distributed.run", True)  # every rank under the debugger
     train_args = resolved["args"][resolved["args"].index(str(tmp_path / "train.py")) + 1 :]
     assert config.parse_args(train_args).break_at_step == 42
+
+
+# In this process, single-rank: pytest's stdin is no terminal, as in a batch job.
+
+DEBUGGER_VARIABLES = ("PYTHONBREAKPOINT", "DEBUG_RANK", "DEBUGPY_RUNNING", "DEBUG_POSTMORTEM")
+
+
+@pytest.fixture
+def no_debugger(monkeypatch):
+    for name in DEBUGGER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def refused_at_start(tmp_path, args, name="run"):
+    """train.main(args) in this process, which must stop before its first step: its exit code."""
+    logged = logged_steps(tmp_path, name)
+    with pytest.raises(SystemExit) as stopped:
+        train.main(QUICK + ["--log-every", "1"] + args + outputs(tmp_path, name))
+    assert logged_steps(tmp_path, name) == logged, "refused before the first step"
+    return stopped.value.code
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--max-steps", "4", "--break-at-step", "5"],  # past the last step: the run would never stop
+        ["--max-steps", "4", "--profile-steps", "5:6"],  # past the last step: the run would end with no trace
+    ],
+)
+def test_a_step_past_the_end_of_the_run_is_refused_at_start_up(tmp_path, no_debugger, args):
+    no_debugger.setenv("PYTHONBREAKPOINT", "0")
+    assert refused_at_start(tmp_path, args) == 2
+
+
+def test_pdb_without_a_terminal_is_refused_at_start_up_and_a_debugger_that_needs_none_is_not(tmp_path, no_debugger):
+    assert refused_at_start(tmp_path, ["--max-steps", "2", "--break-at-step", "1"]) == 2
+    no_debugger.setenv("PYTHONBREAKPOINT", "breakpoint_probe.record")
+    no_debugger.setenv("BREAK_RECORD_DIR", str(tmp_path))
+    train.main(QUICK + ["--max-steps", "2", "--break-at-step", "1"] + outputs(tmp_path, "probed"))
+    assert json.loads((tmp_path / "rank0.json").read_text())["step"] == 1
+
+
+@pytest.mark.parametrize("rebound, accumulate", [("batch", 1), ("micro_batches", 2)])
+def test_the_step_trains_on_the_batch_rebound_in_the_debugger(tmp_path, no_debugger, rebound, accumulate):
+    """breakpoint_probe.rebind fills the frame's `batch` (or `micro_batches`) with NaN at step 3, as a user at the
+    prompt would: that step's loss is NaN, so the run stops at its log, with steps 1 and 2 logged only."""
+    no_debugger.setenv("PYTHONBREAKPOINT", "breakpoint_probe.rebind")
+    no_debugger.setenv("BREAK_REBIND", rebound)
+    args = ["--max-steps", "4", "--log-every", "1", "--grad-accum", str(accumulate), "--break-at-step", "3"]
+    with pytest.raises(SystemExit) as stopped:
+        train.main(QUICK + args + outputs(tmp_path))
+    assert stopped.value.code == 2
+    assert logged_steps(tmp_path) == [1, 2]
+
+
+def test_a_break_or_profile_the_run_resumes_past_is_said_at_start_up(tmp_path, no_debugger, caplog):
+    """Resumed after step 4: --break-at-step 3 and --profile-steps 2:3 are warned about (the run trains on); with
+    --resume-from 4, which can only replay steps 5 on, refused."""
+    no_debugger.setenv("PYTHONBREAKPOINT", "breakpoint_probe.record")
+    no_debugger.setenv("BREAK_RECORD_DIR", str(tmp_path))
+    train.main(QUICK + ["--max-steps", "4", "--snapshot-every", "2"] + outputs(tmp_path))
+    caplog.clear()
+    train.main(QUICK + ["--max-steps", "6", "--break-at-step", "3", "--profile-steps", "2:3"] + outputs(tmp_path))
+    warned = [r for r in caplog.records if r.name == debugflags.__name__ and r.levelno == logging.WARNING]
+    assert len(warned) == 2 and not (tmp_path / "rank0.json").exists(), [r.getMessage() for r in caplog.records]
+    assert refused_at_start(tmp_path, ["--max-steps", "6", "--resume-from", "4", "--break-at-step", "3"]) == 2
+
+
+def test_the_profile_table_names_the_steps_traced(tmp_path, no_debugger, caplog):
+    train.main(QUICK + ["--max-steps", "3", "--profile-steps", "2:9"] + outputs(tmp_path))
+    (table,) = [r.getMessage() for r in caplog.records if r.name == debugflags.__name__ and "operators" in r.msg]
+    assert re.search(r"\b2-3\b", table.splitlines()[0]), table.splitlines()[0]
+    assert (tmp_path / "profile" / "trace-rank0.json").exists()
+
+
+def test_replica_checksums_tell_permuted_rows_apart():
+    model = torch.nn.Linear(4, 3)
+    names, before = debugflags.checksums(model)
+    with torch.no_grad():
+        model.weight.copy_(model.weight[[2, 0, 1]])  # the same rows, in another order
+    _, after = debugflags.checksums(model)
+    changed = {names[index] for index in (before != after).any(dim=1).nonzero().flatten().tolist()}
+    assert changed == {"weight"}
 
 
 @pytest.mark.slow
