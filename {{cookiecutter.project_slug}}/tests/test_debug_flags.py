@@ -10,7 +10,6 @@ import re
 
 import pytest
 import torch
-import train
 from conftest import (
     EXACT,
     QUICK,
@@ -27,6 +26,7 @@ from conftest import (
 )
 from test_debug import configuration, launch_json, resolve
 
+import train
 from {{ cookiecutter.project_slug }} import config
 from {{ cookiecutter.project_slug }}.machinery import debugflags
 from {{ cookiecutter.project_slug }}.machinery.hooks import UserCode
@@ -185,8 +185,11 @@ def read_trace(path):
 
 @pytest.mark.slow
 def test_profile_steps_traces_each_rank_and_check_replicas_passes_a_healthy_run(tmp_path):
+    """A healthy run whose model has a running statistic of the user's own (tests/fault_injection.py's
+    RUNNING_MEAN, which differs across ranks after each forward by design): 4 checks, none of them a false alarm."""
     args = ["--max-steps", "8", "--profile-steps", "3:4", "--check-replicas", "2"]
-    result = run(train_cmd(2) + QUICK + args + outputs(tmp_path))  # 4 checks, none of them a false alarm
+    script = train_cmd(2, script="tests/fault_injection.py")
+    result = run(script + QUICK + args + outputs(tmp_path), env=child_env(RUNNING_MEAN=1))
 
     traces = [path for path in (tmp_path / "profile").iterdir() if path.name.endswith((".json", ".json.gz"))]
     for rank in (0, 1):
@@ -203,9 +206,11 @@ def test_profile_steps_traces_each_rank_and_check_replicas_passes_a_healthy_run(
 
 @pytest.mark.slow
 def test_check_replicas_stops_a_run_whose_replicas_drift_apart(tmp_path):
+    """Rank 1's copy of a tensor gets the same values in another order (its elements rolled by one) after step 8,
+    a check step: the check that follows at once must see it."""
     model = UserCode("{{ cookiecutter.project_slug }}").build_model(default_config(), default_datasets()[0])
-    tensor = list(model.state_dict())[-1]
-    fault = child_env(FAULT="desync_at_step", FAULT_RANK=1, FAULT_STEP=6, FAULT_TENSOR=tensor)
+    tensor = [name for name, _ in model.named_parameters()][-1]
+    fault = child_env(FAULT="desync_at_step", FAULT_RANK=1, FAULT_STEP=8, FAULT_TENSOR=tensor)
     args = ["--max-steps", "30", "--check-replicas", "4", "--snapshot-every", "100"]
     cmd = train_cmd(2, script="tests/fault_injection.py") + QUICK + args + outputs(tmp_path)
     result = run(cmd, env=fault, check=False)
@@ -213,7 +218,7 @@ def test_check_replicas_stops_a_run_whose_replicas_drift_apart(tmp_path):
     assert result.returncode != 0 and re.search(r"exitcode\s*:\s*2\b", result.stdout), result.stdout[-4000:]
     named = [line for line in result.stdout.splitlines() if "ERROR" in line and tensor in line]
     assert len(named) == 1 and re.search(r"\b1\b", named[0].split(tensor, 1)[1]), result.stdout[-4000:]
-    assert max(logged_steps(tmp_path)) == 5, "the run stops at the first check after the drift (step 8)"
+    assert max(logged_steps(tmp_path)) == 5, "the run stops at the check of step 8, not at a later one"
     assert not (tmp_path / "run-export" / "model.pt").exists()
 
 
