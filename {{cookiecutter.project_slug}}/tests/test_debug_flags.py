@@ -2,12 +2,14 @@
 job.
 """
 
+import dataclasses
 import gzip
 import json
 import logging
 import os
 import re
 
+import breakpoint_probe
 import pytest
 import torch
 from conftest import (
@@ -29,7 +31,9 @@ from test_debug import configuration, launch_json, resolve
 import train
 from {{ cookiecutter.project_slug }} import config
 from {{ cookiecutter.project_slug }}.machinery import debugflags
+from {{ cookiecutter.project_slug }}.machinery.batches import Batches
 from {{ cookiecutter.project_slug }}.machinery.hooks import UserCode
+from {{ cookiecutter.project_slug }}.machinery.step import Stepper
 
 BREAK_AT = 5
 HOLD_S = 3  # how long the stand-in debugger holds its rank: longer than --dist-timeout, so the others must wait
@@ -247,3 +251,62 @@ def test_resume_from_replays_a_kept_step_bit_for_bit_and_leaves_the_original_run
 
     missing = run(train_cmd() + QUICK + ["--resume-from", "7"] + outputs(tmp_path), check=False)
     assert missing.returncode == 2 and "--resume-from" in missing.stdout.strip().splitlines()[-1], missing.stdout
+
+
+# Where a NaN came from (machinery/nonfinite.py), in this process, with the NaN put in by the test.
+
+
+def nan_at(monkeypatch, where, bad_step):
+    """From step `bad_step` on (each time this process trains it, a replay too): the step's batch arrives with NaN
+    inputs, or the loss of its finite outputs is NaN."""
+    if where == "batch":
+        draw = Batches.__next__
+
+        def drawn_with_nan(self):
+            micro_batches = draw(self)
+            if self.progress.step + 1 == bad_step:
+                micro_batches = [breakpoint_probe.nan_filled(batch) for batch in micro_batches]
+            return micro_batches
+
+        monkeypatch.setattr(Batches, "__next__", drawn_with_nan)
+        return
+    training = []  # the step being trained
+    forward_backward, user_step = Stepper.forward_backward, UserCode._step
+
+    def remember_step(self, micro_batches):
+        training[:] = [self.progress.step + 1]
+        return forward_backward(self, micro_batches)
+
+    def nan_loss(self, model, batch):
+        result = user_step(self, model, batch)
+        if model.training and training == [bad_step]:
+            result = dataclasses.replace(result, loss=result.loss * float("nan"))
+        return result
+
+    monkeypatch.setattr(Stepper, "forward_backward", remember_step)
+    monkeypatch.setattr(UserCode, "_step", nan_loss)
+
+
+def stopped_on_nan(tmp_path, caplog, args):
+    with pytest.raises(SystemExit) as stopped:
+        train.main(QUICK + ["--log-every", "1", "--eval-every", "0"] + args + outputs(tmp_path))
+    assert stopped.value.code == 2
+    (error,) = [record.getMessage() for record in caplog.records if record.levelno == logging.ERROR]
+    return error
+
+
+@pytest.mark.parametrize(
+    "where, said",
+    [("batch", "the batch of step 7 on rank 0 holds NaN"), ("loss", "every module's output was finite")],
+)
+def test_a_nan_in_the_batch_or_the_loss_alone_is_named_as_such(tmp_path, no_debugger, caplog, where, said):
+    nan_at(no_debugger, where, 7)
+    error = stopped_on_nan(tmp_path, caplog, ["--max-steps", "8", "--snapshot-every", "5"])
+    assert said in error and "module '" not in error and "parameter '" not in error, error
+    assert "--resume-from 5 --break-at-step 7" in error, error
+
+
+def test_a_nan_before_any_snapshot_says_a_rerun_starts_from_scratch(tmp_path, no_debugger, caplog):
+    nan_at(no_debugger, "batch", 3)
+    error = stopped_on_nan(tmp_path, caplog, ["--max-steps", "8", "--snapshot-every", "5"])
+    assert "None" not in error and "--resume-from" not in error and "scratch" in error, error

@@ -194,8 +194,8 @@ class Trainer:
         if not distributed.all_true(self.env, self.state.finite()):
             raise RunError(
                 f"the weights or the optimizer state are not finite at step {self.progress.step} (their gradients "
-                f"were): no snapshot is saved from them (newest: step {self.last_saved}). Lower {flag('lr')} or "
-                f"check the optimizer's settings; then run the same command again to resume from that snapshot"
+                f"were): no snapshot is saved from them. Lower {flag('lr')} or check the optimizer's settings; "
+                f"{nonfinite.rerun_advice(self)}"
             )
         shared, rank_state, sharded_state = self.state.capture()
         shared.update(
