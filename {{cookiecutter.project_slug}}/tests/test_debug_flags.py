@@ -134,6 +134,19 @@ def test_a_break_or_profile_the_run_resumes_past_is_said_at_start_up(tmp_path, n
     assert refused_at_start(tmp_path, ["--max-steps", "6", "--resume-from", "4", "--break-at-step", "3"]) == 2
 
 
+def test_a_replay_logs_to_its_own_file_and_warns_of_a_schedule_it_changes(tmp_path, no_debugger, caplog):
+    train.main(QUICK + ["--max-steps", "4", "--snapshot-every", "2"] + outputs(tmp_path))
+    run_log = (tmp_path / "run.log").read_bytes()
+    caplog.clear()
+    train.main(QUICK + ["--max-steps", "6", "--resume-from", "2"] + outputs(tmp_path))
+    assert (tmp_path / "run.log").read_bytes() == run_log
+    assert (tmp_path / "run.replay-2.log").stat().st_size > 0
+    warned = [
+        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "--max-steps" in r.getMessage()
+    ]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+
+
 def test_the_profile_table_names_the_steps_traced(tmp_path, no_debugger, caplog):
     train.main(QUICK + ["--max-steps", "3", "--profile-steps", "2:9"] + outputs(tmp_path))
     (table,) = [r.getMessage() for r in caplog.records if r.name == debugflags.__name__ and "operators" in r.msg]

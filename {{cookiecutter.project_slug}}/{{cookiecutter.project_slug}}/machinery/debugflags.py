@@ -104,6 +104,15 @@ def replay_settings(cfg: Any, env: DistEnv) -> Any:
     )
 
 
+def replay_log(cfg: Any) -> Any:
+    """--resume-from STEP: the settings with a log file of the replay's own, `<name>.replay-<STEP><ext>` beside the
+    run's, so the replay adds nothing to the run's log (`cfg` itself without it, or with --log-file '')."""
+    if not cfg.resume_from or not cfg.log_file:
+        return cfg
+    stem, extension = os.path.splitext(cfg.log_file)
+    return dataclasses.replace(cfg, log_file=f"{stem}.replay-{cfg.resume_from}{extension}")
+
+
 def _original_metrics_file(snapshot_dir: str) -> str | None:
     """The metrics file of the run that trained into `snapshot_dir` (its config.toml, report.write_config)."""
     try:
