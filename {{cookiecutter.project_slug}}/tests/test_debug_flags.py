@@ -1,5 +1,5 @@
-"""--break-at-step, --profile-steps and --check-replicas (docs/debugging.md, "Find a bug"), each on a real 2-rank
-job.
+"""--break-at-step, --profile-steps, --check-replicas, --resume-from and the non-finite line (docs/debugging.md, "Find
+a bug"): what a launch must show on a real 2-rank job, the rest in this process on one rank.
 """
 
 import dataclasses

@@ -262,9 +262,8 @@ def train(cfg: Any, env: DistEnv, jobs: JobGroup | None = None) -> Summary:
         Trainer(cfg, env, jobs) as trainer,  # model, data, optimizer, snapshots: restored from the newest good snapshot
         StopRequest(env) as stop,
         progress_bar(env, trainer.total_steps, trainer.progress.step) as bar,
-        DebugFlags(
-            cfg, env, trainer.model, trainer.progress, trainer.total_steps
-        ) as flags,  # --break-at-step, --profile-steps, ...
+        # --break-at-step, --profile-steps, --check-replicas: a step the run cannot reach is said here, at start-up
+        DebugFlags(cfg, env, trainer.model, trainer.progress, trainer.total_steps) as flags,
     ):
         progress, snapshots = trainer.progress, trainer.snapshots
         while progress.step < trainer.total_steps and not stop.stopped:
