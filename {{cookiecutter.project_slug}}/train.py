@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> Summary:
 
 def run(cfg: config.Config) -> Summary:
     """Train with settings already parsed: set up this rank, train, tear down."""
-    from {{ cookiecutter.project_slug }}.machinery import debug, distributed, faults, jobgroup, logs, parentdeath, stop, trainer
+    from {{ cookiecutter.project_slug }}.machinery import debug, debugflags, distributed, faults, jobgroup, logs, parentdeath, stop, trainer
     from {{ cookiecutter.project_slug }}.machinery.snapshot import SnapshotError
     from {{ cookiecutter.project_slug }}.machinery.stream import StreamEnded
 
@@ -56,6 +56,7 @@ def run(cfg: config.Config) -> Summary:
         print(f"error: {exc}", file=sys.stderr)
         record_cause(exc)
         raise SystemExit(2) from None
+    cfg = debugflags.replay_log(cfg)  # --resume-from: a replay logs to a file of its own
     logs.setup(env.rank, cfg.log_file)
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         parentdeath.exit_with_parent()  # a worker whose torchrun agent died stops too, instead of training on alone

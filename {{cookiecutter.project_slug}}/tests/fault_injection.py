@@ -15,10 +15,14 @@ The fault is chosen by environment variables:
     FAULT=raise_in_quorum     (--fault-tolerance torchft) rank FAULT_RANK raises right after it starts its first
                               step's quorum, while torchft forms the quorum in its own thread
 {%- endif %}
-    FAULT=desync_at_step      rank FAULT_RANK adds 1 to the tensor FAULT_TENSOR (a state_dict key of the model) right
-                              after its FAULT_STEP-th optimizer step: replicas that drift apart (--check-replicas)
+    FAULT=desync_at_step      rank FAULT_RANK rolls the elements of the tensor FAULT_TENSOR (a state_dict key of the
+                              model) by one right after its FAULT_STEP-th optimizer step: replicas that drift apart
+                              (--check-replicas) with the same values, in another order
     FAULT_ONCE=<path>         fire only if <path> does not exist (it is created on firing), so a restart runs clean
     NO_RNG_RESTORE=1          resume without restoring the random streams (to prove the resume test can fail)
+    RUNNING_MEAN=1            the model gets a buffer of its own, `input_running_mean`, that each rank updates from
+                              its own batch in every training forward (a user's running statistic; DDP gives every
+                              rank rank 0's at the next forward)
     COUNT_ALLREDUCE=1         print "gradient all-reduces: N" on rank 0 at exit
     SLOW_COPY=<seconds>       every snapshot's copy off the training thread starts this much later
     SLOW_WRITE=<seconds>      every snapshot's files are written this much later (after the copy)
@@ -129,10 +133,28 @@ if FAULT == "desync_at_step" and RANK == FAULT_RANK:
         calls[0] += 1
         if calls[0] == FAULT_STEP and should_fire():
             with torch.no_grad():
-                self.model.state_dict()[os.environ["FAULT_TENSOR"]].add_(1)
+                tensor = self.model.state_dict()[os.environ["FAULT_TENSOR"]]
+                tensor.copy_(tensor.flatten().roll(1).view_as(tensor))
         return stepped
 
     trainer.Trainer.optimizer_step = desyncing_step
+
+if os.environ.get("RUNNING_MEAN"):
+    import torch
+
+    original_parallel = parallel.Parallel.__init__
+
+    def update_running_mean(module, inputs):
+        if module.training:
+            with torch.no_grad():
+                module.input_running_mean.mul_(0.9).add_(inputs[0].float().mean(), alpha=0.1)
+
+    def with_running_mean(self, model, *args, **kwargs):
+        model.register_buffer("input_running_mean", torch.zeros(()))
+        model.register_forward_pre_hook(update_running_mean)
+        original_parallel(self, model, *args, **kwargs)
+
+    parallel.Parallel.__init__ = with_running_mean
 
 if FAULT == "crash_in_save" and RANK == FAULT_RANK:
     target = snapshot.MANIFEST if os.environ.get("FAULT_FILE") == "manifest" else snapshot.rank_file(RANK)

@@ -29,6 +29,7 @@ from conftest import (
     final_model,
     finish,
     free_port,
+    logged_steps,
     outputs,
     run,
     start,
@@ -37,7 +38,7 @@ from conftest import (
 )
 from jsonc import load_jsonc
 
-from {{ cookiecutter.project_slug }}.machinery import baked, trainer
+from ddp_project.machinery import baked, trainer
 
 VSCODE = ROOT / ".vscode"
 WAITING = re.compile(r"^rank (\d+) waiting for debugger on (\S+):(\d+)$", re.M)
@@ -369,6 +370,31 @@ def test_debug_rank_all_stops_every_rank_and_a_rank_condition_stops_one(tmp_path
     for session in sessions:
         session.request("disconnect")
     assert len(sessions[0].events("stopped")) == 1, "rank 0 must not stop where the condition is false"
+
+
+def test_break_at_step_stops_the_debugger_where_batch_model_and_step_are(tmp_path, cleanup):
+    """DEBUG_RANK with --break-at-step: the rank waits for a debugger at step 3, and debugpy, answering
+    breakpoint(), stops in a frame whose locals are the step's; a batch rebound there (here to NaN, from the Debug
+    Console) is what the step trains on, so the run stops at that step's log."""
+    port = free_port()
+    args = SHORT + ["--break-at-step", "3", "--log-every", "1"] + outputs(tmp_path)
+    job = Job(
+        train_cmd() + args,
+        child_env(DEBUG_RANK=0, DEBUG_PORT=port, PYDEVD_DISABLE_FILE_VALIDATION=1),
+        tmp_path / "job.log",
+    )
+    cleanup.append(job)
+    job.wait_for(rf"^rank 0 waiting for debugger on 127\.0\.0\.1:{port} \(break at step 3\)$")
+    session = attach(port, {}, cleanup)
+    stopped, frame = session.stopped_frame()
+    found = session.evaluate("step, isinstance(model, torch.nn.Module), batch is micro_batches[0]", frame["id"])
+    assert found == "(3, True, True)", found
+    nan_filled = "[torch.full_like(part, float('nan')) if part.is_floating_point() else part for part in batch]"
+    session.evaluate(f"batch = {nan_filled}", frame["id"])
+    session.request("continue", threadId=stopped["threadId"])
+    assert job.finish() == 2, job.output()[-6000:]
+    session.request("disconnect")
+    assert logged_steps(tmp_path) == [1, 2]
 
 
 def test_listen_errors_name_the_port_and_rank(tmp_path):

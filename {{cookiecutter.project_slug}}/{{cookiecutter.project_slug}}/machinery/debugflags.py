@@ -5,14 +5,18 @@ every flag off both return at once, so the loop costs what it did without them.
 
 - --break-at-step N: `breakpoint()` right before step N's forward, in `_break_here`, whose locals are `step`,
   `batch` (the first micro-batch, on the device), `micro_batches` (all of them, on the device) and `model` (your
-  module, as build_model made it; sharded under fsdp). Every rank stops, or the ranks DEBUG_RANK names; then every
-  rank meets at a barrier, so the others wait there (with this flag, collectives wait a day: distributed.py).
+  module, as build_model made it; sharded under fsdp); the step trains on what `batch` and `micro_batches` hold
+  when the debugger continues. Every rank stops, or the ranks DEBUG_RANK names; then every rank meets at a
+  barrier, so the others wait there (with this flag, collectives wait a day: distributed.py). A step the run never
+  reaches, or pdb without a terminal to read, is said at start-up (`check_debugger`, `DebugFlags`).
 - --profile-steps A:B: torch.profiler from step A's forward to step B's optimizer step, on every rank; a Chrome
   trace per rank into `<log dir>/profile/`, the top operators on rank 0's console, and on CUDA a memory snapshot
   (pytorch.org/memory_viz). Outside A..B no profiler exists.
-- --check-replicas N: after every N-th optimizer step, two integer checksums of each tensor of the model's
-  state_dict, gathered from every rank in one all_gather: the bits of the replicas must be equal, since every rank
-  applies the same averaged gradients. A difference stops the run (RunError) naming the first tensor and the ranks.
+- --check-replicas N: after every N-th optimizer step, three integer checksums of each parameter (one of them
+  depends on the order of the elements), gathered from every rank in one all_gather: the bits of the replicas must
+  be equal, since every rank applies the same averaged gradients. A difference stops the run (RunError) naming the
+  first parameter and the ranks. Buffers are left out: every rank trains with rank 0's, broadcast before each
+  forward (DDP's broadcast_buffers, step.py under fsdp), so each rank's own running statistics differ by design.
 - --resume-from STEP: `replay_settings` copies the kept snapshot of STEP (and the run id) into a scratch snapshot
   folder beside --snapshot-dir and points the run's snapshots and export there; the original run's folder, export
   and metrics file are only read.
@@ -100,6 +104,15 @@ def replay_settings(cfg: Any, env: DistEnv) -> Any:
     )
 
 
+def replay_log(cfg: Any) -> Any:
+    """--resume-from STEP: the settings with a log file of the replay's own, `<name>.replay-<STEP><ext>` beside the
+    run's, so the replay adds nothing to the run's log (`cfg` itself without it, or with --log-file '')."""
+    if not cfg.resume_from or not cfg.log_file:
+        return cfg
+    stem, extension = os.path.splitext(cfg.log_file)
+    return dataclasses.replace(cfg, log_file=f"{stem}.replay-{cfg.resume_from}{extension}")
+
+
 def _original_metrics_file(snapshot_dir: str) -> str | None:
     """The metrics file of the run that trained into `snapshot_dir` (its config.toml, report.write_config)."""
     try:
@@ -110,17 +123,76 @@ def _original_metrics_file(snapshot_dir: str) -> str | None:
     return os.path.abspath(written) if written else None
 
 
-class DebugFlags:
-    """--break-at-step, --profile-steps and --check-replicas for one run; use it as a context manager."""
+def check_debugger(cfg: Any, env: DistEnv) -> None:
+    """--break-at-step with pdb to answer breakpoint() on a rank whose stdin is no terminal (a batch job, nohup, CI):
+    refused at start-up, on every rank alike, instead of each rank's pdb reading an end of file at step N."""
+    if not cfg.break_at_step:
+        return
+    hook = os.environ.get("PYTHONBREAKPOINT", "")
+    debugpy_answers = os.environ.get("DEBUGPY_RUNNING") or (os.environ.get("DEBUG_RANK") and not hook)
+    pdb_answers = hook in ("", "pdb.set_trace") and sys.breakpointhook is sys.__breakpointhook__
+    chosen = DebugFlags.is_chosen(env)
+    without_terminal = chosen and pdb_answers and not debugpy_answers and not (sys.stdin and sys.stdin.isatty())
+    if not distributed.all_true(env, not without_terminal):
+        raise RunError(
+            f"{flag('break_at_step')} {cfg.break_at_step}: pdb would answer breakpoint() and needs a terminal, but "
+            f"stdin is not one (a batch job, nohup, CI). Set DEBUG_RANK (a rank, or all) to attach a debugger at that "
+            f"step instead, run from a terminal, or set PYTHONBREAKPOINT to another debugger"
+        )
 
-    def __init__(self, cfg: Any, env: DistEnv, model: nn.Module, progress: Progress):
+
+class DebugFlags:
+    """--break-at-step, --profile-steps and --check-replicas for one run; use it as a context manager.
+
+    `total_steps`: the step the run ends at; `progress.step`, the step it starts after (resumed, or 0). A break or
+    a profile the run cannot reach is said once, at start-up: a refusal when nothing in the command could reach it
+    (past the last step, or at or before --resume-from's step), else a warning (a restart resumed past it)."""
+
+    def __init__(self, cfg: Any, env: DistEnv, model: nn.Module, progress: Progress, total_steps: int):
         self.env, self.model, self.progress = env, model, progress
         self.break_at = cfg.break_at_step
+        self.resume_from = cfg.resume_from
         self.check_every = cfg.check_replicas
         self.profile_range = step_range(cfg.profile_steps)
         self.profile_dir = os.path.join(log_dir(cfg.log_file, env.rank), "profile")
         self._profiler: torch.profiler.profile | None = None
         self._profiled = False  # once per run: a step taken again (one the job group dropped) is not traced twice
+        self._traced_from = 0  # the first step the profiler saw
+        resumed_at = progress.step
+        if self.break_at and not self._reachable(
+            "break_at_step", self.break_at, self.break_at, resumed_at, total_steps
+        ):
+            self.break_at = 0
+        if self.profile_range is not None and not self._reachable(
+            "profile_steps", *self.profile_range, resumed_at, total_steps
+        ):
+            self.profile_range = None
+
+    def _reachable(self, name: str, low: int, high: int, resumed_at: int, last: int) -> bool:
+        """Whether this run, which trains the steps after `resumed_at` up to `last`, trains any of the steps
+        low..high that the flag `name` asks for. Said at start-up when it does not: a RunError where no run of
+        this command could (past the last step, or at or before --resume-from's step), else a warning."""
+        asked = f"{flag(name)} {low if low == high else f'{low}:{high}'}"
+        if low > last:
+            raise RunError(
+                f"{asked}: the run ends at step {last}, so it never gets there: pick a step up to {last}, or raise "
+                f"{flag('max_steps')}"
+            )
+        if high > resumed_at:
+            return True
+        if self.resume_from:
+            raise RunError(
+                f"{asked}: {flag('resume_from')} {self.resume_from} trains the steps after {self.resume_from} only: "
+                f"pick a later step, or replay from an earlier kept snapshot"
+            )
+        log.log(
+            logging.WARNING if self.env.is_main else logging.DEBUG,
+            "%s: this run resumes after step %d, so it does not get there (replay an earlier step with %s)",
+            asked,
+            resumed_at,
+            flag("resume_from"),
+        )
+        return False
 
     def before_forward(self, micro_batches: list) -> list:
         """The step's micro-batches, once drawn: start the profiler at step A, stop in the debugger at step N."""
@@ -131,9 +203,14 @@ class DebugFlags:
                 self._start_profiler()
         if step == self.break_at:
             micro_batches = [to_device(batch, self.env.device) for batch in micro_batches]
-            if self._is_chosen():
+            if self.is_chosen(self.env):
                 debug.listen_at_break(self.env, step)  # DEBUG_RANK without PYTHONBREAKPOINT: debugpy answers
-                _break_here(step, micro_batches[0], micro_batches, self.model)
+                drawn = micro_batches[0]
+                batch, held = _break_here(step, drawn, micro_batches, self.model)
+                # What the frame holds is what the step trains on: a rebound `batch` replaces the first micro-batch
+                # (of a rebound `micro_batches` too), on the device whatever the debugger put there.
+                held = list(held) if batch is drawn else [batch, *list(held)[1:]]
+                micro_batches = [to_device(batch, self.env.device) for batch in held]
             distributed.barrier(self.env)  # the ranks that did not stop wait here for those in the debugger
         return micro_batches
 
@@ -161,10 +238,11 @@ class DebugFlags:
         elif self._profiler is not None:  # a failed run: let the profiler go, write nothing
             self._stop_profiler(save=False)
 
-    def _is_chosen(self) -> bool:
+    @staticmethod
+    def is_chosen(env: DistEnv) -> bool:
         """Every rank breaks, or only those DEBUG_RANK names."""
         value = os.environ.get("DEBUG_RANK")
-        return not value or self.env.rank in debug.chosen_ranks(value, self.env.world_size)
+        return not value or env.rank in debug.chosen_ranks(value, env.world_size)
 
     # -- the profiler ----------------------------------------------------------------------------------------
 
@@ -175,6 +253,7 @@ class DebugFlags:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
         self._profiler = torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True)
         self._profiler.start()
+        self._traced_from = self.progress.step + 1
 
     def _stop_profiler(self, save: bool) -> None:
         profiler, self._profiler = self._profiler, None
@@ -191,42 +270,34 @@ class DebugFlags:
             if self.env.is_main:
                 sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
                 table = profiler.key_averages().table(sort_by=sort_by, row_limit=TOP_OPERATORS)
-                start, end = self.profile_range or (0, 0)
-                log.info("profile of steps %d-%d (rank 0), top operators:\n%s", start, end, table)
+                traced = f"{self._traced_from}-{self.progress.step}"  # a run that stopped early: the steps it took
+                log.info("profile of steps %s (rank 0), top operators:\n%s", traced, table)
                 log.info("traces (open in ui.perfetto.dev or chrome://tracing): %s", self.profile_dir)
         if cuda:
             torch.cuda.memory._record_memory_history(enabled=None)
 
 
-def _break_here(step: int, batch: Any, micro_batches: list, model: nn.Module) -> None:
+def _break_here(step: int, batch: Any, micro_batches: list, model: nn.Module) -> tuple[Any, list]:
     """--break-at-step: `step` is about to run its forward on `batch` (the first of `micro_batches`, all on the
-    device) through `model`. Look around, change what you like, then continue: every rank trains on from here."""
+    device) through `model`. Look around, change what you like (rebind `batch` or `micro_batches` to train the step
+    on something else), then continue: every rank trains on from here."""
     print(f"rank {os.environ.get('RANK', '0')}: breakpoint() before the forward of step {step}", file=sys.stderr)
     breakpoint()  # PYTHONBREAKPOINT picks the debugger: F5's debugpy, pdb, ... (0 skips it)
+    # pdb and debugpy stop at the next line of this frame: there must be one, or they stop in the caller
+    return batch, micro_batches
 
 
 # -- --check-replicas ----------------------------------------------------------------------------------------
 
 
-def _left_out(model: nn.Module) -> set[str]:
-    """state_dict keys that differ across ranks by design: normalization statistics each rank updates from its own
-    batch in forward, which DDP and step.py replace with rank 0's at the next forward."""
-    names = set()
-    for prefix, module in model.named_modules():
-        if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats:
-            names |= {f"{prefix}.{name}" if prefix else name for name in ("running_mean", "running_var")}
-    return names
-
-
 def checksums(model: nn.Module) -> tuple[list[str], torch.Tensor]:
-    """The state_dict keys compared, and for each two int64 checksums of its bits: their sum and the sum of their
-    squares (wrapping), exact and independent of the order of the additions. Sharded DTensors (fsdp) are left out:
-    each rank holds another shard."""
+    """The parameters compared (by state_dict key), and for each three int64 checksums of its bits (wrapping sums,
+    exact whatever the order of the additions): of the bits, of their squares, and of each times its position, which
+    tells replicas whose elements are the same but in another order (rows permuted) apart. Buffers are left out:
+    every rank trains with rank 0's (module docstring). Sharded DTensors (fsdp) are left out too: each rank holds
+    another shard."""
     names, sums = [], []
-    left_out = _left_out(model)
-    for name, tensor in model.state_dict().items():
-        if name in left_out or not isinstance(tensor, torch.Tensor):
-            continue
+    for name, tensor in model.named_parameters():
         if isinstance(tensor, DTensor):
             if not all(placement.is_replicate() for placement in tensor.placements):
                 continue
@@ -237,10 +308,11 @@ def checksums(model: nn.Module) -> tuple[list[str], torch.Tensor]:
         if flat.is_complex():
             flat = torch.view_as_real(flat).view(-1)
         bits = flat.view(INTEGER_OF_SIZE[flat.element_size()]).to(torch.int64)
+        position = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
         names.append(name)
-        sums.append(torch.stack([bits.sum(), (bits * bits).sum()]))
+        sums.append(torch.stack([bits.sum(), (bits * bits).sum(), (bits * position).sum()]))
     if not sums:
-        return names, torch.zeros(0, 2, dtype=torch.int64)
+        return names, torch.zeros(0, 3, dtype=torch.int64)
     return names, torch.stack(sums).cpu()
 
 

@@ -1,6 +1,7 @@
 """A NaN or infinite loss or gradient: the check that stops the run (`check_finite`, at each log and snapshot), and
-where it came from: the step that made it, trained again from the newest snapshot before it, with
-hooks that name the first module whose forward output, or else the first parameter whose gradient, was not finite.
+where it came from: the step that made it, trained again from the newest snapshot before it, with hooks that name,
+in this order, a batch that holds NaN or infinity, the first module whose forward output was not finite, a loss
+made non-finite from finite outputs, or else the first parameter whose gradient was not finite.
 
 Exact resume makes the replay faithful: the same weights, data and random streams give the same numbers (CPU, the
 same number of ranks and threads). It runs only once a run has already failed, so a healthy run pays nothing for
@@ -39,11 +40,14 @@ REPLAY_FLAGS = ("--resume-from", "--break-at-step")
 
 @dataclass
 class Origin:
-    """What the replay saw on one rank: the first module whose output and the first parameter whose own gradient
-    (before the ranks average it) were not finite, by qualified name; None where all were."""
+    """What the replay saw on one rank: whether the step's batch held NaN or infinity, the first module whose output
+    and the first parameter whose own gradient (before the ranks average it) were not finite, by qualified name (None
+    where all were), and whether the step's loss was not finite."""
 
+    batch: bool = False
     module: str | None = None
     parameter: str | None = None
+    loss: bool = False
 
 
 def replay(trainer: Any, bad_step: int) -> tuple[int, list[Origin]] | None:
@@ -62,8 +66,11 @@ def replay(trainer: Any, bad_step: int) -> tuple[int, list[Origin]] | None:
         while progress.step < bad_step - 1:
             trainer.forward_backward(next(trainer.batches))
             trainer.optimizer_step()
+        micro_batches = next(trainer.batches)
         with watching(trainer.model) as origin:
-            trainer.forward_backward(next(trainer.batches))
+            origin.batch = not all_finite(tensors_in(micro_batches))  # data that arrives broken, before any module
+            trainer.forward_backward(micro_batches)
+        origin.loss = not bool(torch.isfinite(trainer.stepper.step_loss))
         return resumed["step"], distributed.all_gather_object(trainer.env, origin)
     except Exception as exc:  # noqa: BLE001 - the replay only adds detail to an error that stops the run anyway
         log.debug("replaying step %d to find where it turned non-finite failed: %r", bad_step, exc)
@@ -99,15 +106,40 @@ def watching(model: nn.Module) -> Iterator[Origin]:
             handle.remove()
 
 
-def describe(origins: list[Origin]) -> str:
-    """Where the replay saw it first, per rank: modules' outputs first, else parameters' gradients."""
+def describe(origins: list[Origin], step: int) -> str:
+    """Where the replay of `step` saw it first, per rank: the batch, modules' outputs, the loss, parameters'
+    gradients."""
+    batches = [rank for rank, o in enumerate(origins) if o.batch]
+    if batches:
+        return f"the batch of step {step} on {_ranks(batches)} holds NaN or infinity: check the data"
     modules = [f"module {o.module!r} on rank {rank}" for rank, o in enumerate(origins) if o.module is not None]
     if modules:
         return "the first non-finite forward output: " + ", ".join(modules)
+    losses = [rank for rank, o in enumerate(origins) if o.loss]
+    if losses:
+        return (
+            f"every module's output was finite and the loss was not, on {_ranks(losses)}: loss_fn or compute_loss "
+            f"in model.py made it"
+        )
     parameters = [f"parameter {o.parameter!r} on rank {rank}" for rank, o in enumerate(origins) if o.parameter]
     if parameters:
         return "the first non-finite gradient (before the ranks average it): " + ", ".join(parameters)
     return "the replay saw no non-finite output or gradient (not reproducible: data loading or threads differ?)"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def rerun_advice(trainer: Trainer) -> str:
+    """What running the same command again does once a run stopped on a non-finite value: resume from the newest
+    snapshot, which is from before it, or start from scratch when none was saved."""
+    if trainer.last_saved is None:
+        return (
+            f"then run the same command again: no snapshot was saved before this step, so it starts from scratch "
+            f"(a smaller {flag('snapshot_every')} keeps one to replay the step from and resume from)"
+        )
+    return f"then run the same command again to resume from the snapshot of step {trainer.last_saved}"
 
 
 def replay_command(env: DistEnv, snapshot_step: int, bad_step: int) -> str:
@@ -149,11 +181,10 @@ def check_finite(trainer: Trainer) -> None:
     if replayed is not None:
         snapshot_step, origins = replayed
         command = replay_command(trainer.env, snapshot_step, step)
-        where = f"; replayed from step {snapshot_step}, {describe(origins)}; to step into it: {command}"
+        where = f"; replayed from step {snapshot_step}, {describe(origins, step)}; to step into it: {command}"
     raise RunError(
-        f"{what}{where}. The run stops, and no snapshot is saved from that step on (newest: step "
-        f"{trainer.last_saved}). Lower {flag('lr')}, set {flag('clip_grad')}, or check the data and the model; then "
-        "run the same command again to resume from that snapshot"
+        f"{what}{where}. The run stops, and no snapshot is saved from that step on. Lower {flag('lr')}, set "
+        f"{flag('clip_grad')}, or check the data and the model; {rerun_advice(trainer)}"
     )
 
 
@@ -164,6 +195,5 @@ def synced_loss(trainer: Trainer) -> float:
     except FloatingPointError:
         raise RunError(
             f"the training loss is not finite at step {trainer.progress.step}: the run diverged, so no snapshot is "
-            f"saved over the good ones (newest: step {trainer.last_saved}). Lower {flag('lr')}, set "
-            f"{flag('clip_grad')}, or check the data; then run the same command again to resume from that snapshot"
+            f"saved from it. Lower {flag('lr')}, set {flag('clip_grad')}, or check the data; {rerun_advice(trainer)}"
         ) from None

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from .trainer import Trainer
 
 log = logging.getLogger(__name__)
+SCHEDULE_SETTINGS = ("max_steps", "epochs", "warmup_steps", "lr")  # what the default learning-rate schedule follows
 
 
 class ScalerPart:
@@ -196,6 +197,17 @@ def log_changed_settings(trainer: Trainer, resumed: dict, folder: str) -> None:
     ]
     if changed:
         log.info("settings changed since %s was written (applied from now on): %s", folder, ", ".join(changed))
+    reshaped = [
+        f"{flag(key)} {resumed['config'][key]!r} -> {getattr(trainer.cfg, key)!r}"
+        for key in SCHEDULE_SETTINGS
+        if key in resumed["config"] and resumed["config"][key] != getattr(trainer.cfg, key)
+    ]
+    if trainer.cfg.resume_from and reshaped:
+        trainer.warn_once(
+            "this replay changes the learning-rate schedule (%s): its steps are not the run's; give the run's own "
+            "values to replay them exactly",
+            ", ".join(reshaped),
+        )
     if trainer.user_scheduler is not None and trainer.user_scheduler.rescaled:
         log.info(
             "build_scheduler's base learning rates follow build_optimizer's now (%s): the restored learning "

@@ -93,6 +93,11 @@ class Stepper:
         self._step_loss = step_loss
         self.loss_sum += step_loss
 
+    @property
+    def step_loss(self) -> torch.Tensor:
+        """The loss of the last forward_backward: this rank's own (the mean over every rank when token-weighted)."""
+        return self._step_loss
+
     def _token_weighted(self, sums: torch.Tensor) -> torch.Tensor:
         """Scale the summed gradients to the mean over every rank's count; return the step's mean loss."""
         total_loss, total_count = distributed.all_sum(self.env, sums).tolist()

@@ -22,7 +22,7 @@ from torch.utils.data import IterableDataset
 
 from . import distributed, ending, logs, nonfinite, runfiles, startup, watchdog
 from .batches import Batches, Progress, RunLength
-from .debugflags import DebugFlags, replay_settings
+from .debugflags import DebugFlags, check_debugger, replay_settings
 from .distributed import DistEnv
 from .evaluate import evaluate
 from .hooks import UserCode
@@ -194,8 +194,8 @@ class Trainer:
         if not distributed.all_true(self.env, self.state.finite()):
             raise RunError(
                 f"the weights or the optimizer state are not finite at step {self.progress.step} (their gradients "
-                f"were): no snapshot is saved from them (newest: step {self.last_saved}). Lower {flag('lr')} or "
-                f"check the optimizer's settings; then run the same command again to resume from that snapshot"
+                f"were): no snapshot is saved from them. Lower {flag('lr')} or check the optimizer's settings; "
+                f"{nonfinite.rerun_advice(self)}"
             )
         shared, rank_state, sharded_state = self.state.capture()
         shared.update(
@@ -257,11 +257,13 @@ def train(cfg: Any, env: DistEnv, jobs: JobGroup | None = None) -> Summary:
     """Train until --max-steps or --epochs; resume from the newest good snapshot in --snapshot-dir if there is one.
     `jobs`: the jobs this one trains the model with (jobgroup.py), if any."""
     cfg = replay_settings(cfg, env)  # --resume-from: a scratch copy of that snapshot is the run's snapshot folder
+    check_debugger(cfg, env)  # --break-at-step: pdb without a terminal is refused before the model is built
     with (
         Trainer(cfg, env, jobs) as trainer,  # model, data, optimizer, snapshots: restored from the newest good snapshot
         StopRequest(env) as stop,
         progress_bar(env, trainer.total_steps, trainer.progress.step) as bar,
-        DebugFlags(cfg, env, trainer.model, trainer.progress) as flags,  # --break-at-step, --profile-steps, ...
+        # --break-at-step, --profile-steps, --check-replicas: a step the run cannot reach is said here, at start-up
+        DebugFlags(cfg, env, trainer.model, trainer.progress, trainer.total_steps) as flags,
     ):
         progress, snapshots = trainer.progress, trainer.snapshots
         while progress.step < trainer.total_steps and not stop.stopped:
