@@ -297,7 +297,8 @@ def checksums(model: nn.Module) -> tuple[list[str], torch.Tensor]:
     every rank trains with rank 0's (module docstring). Sharded DTensors (fsdp) are left out too: each rank holds
     another shard."""
     names, sums = [], []
-    for name, tensor in model.named_parameters():
+    for name, parameter in model.named_parameters():
+        tensor: torch.Tensor = parameter
         if isinstance(tensor, DTensor):
             if not all(placement.is_replicate() for placement in tensor.placements):
                 continue
