@@ -22,7 +22,7 @@ The fault is chosen by environment variables:
     NO_RNG_RESTORE=1          resume without restoring the random streams (to prove the resume test can fail)
     RUNNING_MEAN=1            the model gets a buffer of its own, `input_running_mean`, that each rank updates from
                               its own batch in every training forward (a user's running statistic; DDP gives every
-                              rank rank 0's at the next forward)
+                              rank rank 0's at the next forward), and a buffer no forward changes, `input_scale`
     COUNT_ALLREDUCE=1         print "gradient all-reduces: N" on rank 0 at exit
     SLOW_COPY=<seconds>       every snapshot's copy off the training thread starts this much later
     SLOW_WRITE=<seconds>      every snapshot's files are written this much later (after the copy)
@@ -151,6 +151,7 @@ if os.environ.get("RUNNING_MEAN"):
 
     def with_running_mean(self, model, *args, **kwargs):
         model.register_buffer("input_running_mean", torch.zeros(()))
+        model.register_buffer("input_scale", torch.arange(4.0))
         model.register_forward_pre_hook(update_running_mean)
         original_parallel(self, model, *args, **kwargs)
 

@@ -222,12 +222,14 @@ def test_profile_steps_traces_each_rank_and_check_replicas_passes_a_healthy_run(
 
 
 @pytest.mark.slow
-def test_check_replicas_stops_a_run_whose_replicas_drift_apart(tmp_path):
+@pytest.mark.parametrize("kind", ["parameter", "buffer"])
+def test_check_replicas_stops_a_run_whose_replicas_drift_apart(tmp_path, kind):
     """Rank 1's copy of a tensor gets the same values in another order (its elements rolled by one) after step 8,
-    a check step: the check that follows at once must see it."""
+    a check step: the check that follows at once must see it. The tensor is a parameter, or a buffer that no forward
+    changes, beside a running statistic that every forward changes (and that differs between ranks by design)."""
     model = UserCode("{{ cookiecutter.project_slug }}").build_model(default_config(), default_datasets()[0])
-    tensor = [name for name, _ in model.named_parameters()][-1]
-    fault = child_env(FAULT="desync_at_step", FAULT_RANK=1, FAULT_STEP=8, FAULT_TENSOR=tensor)
+    tensor = [name for name, _ in model.named_parameters()][-1] if kind == "parameter" else "input_scale"
+    fault = child_env(FAULT="desync_at_step", FAULT_RANK=1, FAULT_STEP=8, FAULT_TENSOR=tensor, RUNNING_MEAN=1)
     args = ["--max-steps", "30", "--check-replicas", "4", "--snapshot-every", "100"]
     cmd = train_cmd(2, script="tests/fault_injection.py") + QUICK + args + outputs(tmp_path)
     result = run(cmd, env=fault, check=False)

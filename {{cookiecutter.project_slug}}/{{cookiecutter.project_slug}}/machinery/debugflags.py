@@ -12,11 +12,12 @@ every flag off both return at once, so the loop costs what it did without them.
 - --profile-steps A:B: torch.profiler from step A's forward to step B's optimizer step, on every rank; a Chrome
   trace per rank into `<log dir>/profile/`, the top operators on rank 0's console, and on CUDA a memory snapshot
   (pytorch.org/memory_viz). Outside A..B no profiler exists.
-- --check-replicas N: after every N-th optimizer step, three integer checksums of each parameter (one of them
-  depends on the order of the elements), gathered from every rank in one all_gather: the bits of the replicas must
-  be equal, since every rank applies the same averaged gradients. A difference stops the run (RunError) naming the
-  first parameter and the ranks. Buffers are left out: every rank trains with rank 0's, broadcast before each
-  forward (DDP's broadcast_buffers, step.py under fsdp), so each rank's own running statistics differ by design.
+- --check-replicas N: after every N-th optimizer step, three integer checksums of each parameter and buffer (one
+  of them depends on the order of the elements), gathered from every rank in one all_gather: the bits of the
+  replicas must be equal, since every rank applies the same averaged gradients. A difference stops the run
+  (RunError) naming the first tensor and the ranks. A buffer that the step's forward changed on some rank (a running
+  statistic: BatchNorm's, or one of your own) is left out of that check: each rank updates it from its own batch,
+  and every rank trains with rank 0's, broadcast before each forward (DDP's broadcast_buffers, step.py under fsdp).
 - --resume-from STEP: `replay_settings` copies the kept snapshot of STEP (and the run id) into a scratch snapshot
   folder beside --snapshot-dir and points the run's snapshots and export there; the original run's folder, export
   and metrics file are only read.
@@ -157,6 +158,7 @@ class DebugFlags:
         self.profile_dir = os.path.join(log_dir(cfg.log_file, env.rank), "profile")
         self._profiler: torch.profiler.profile | None = None
         self._profiled = False  # once per run: a step taken again (one the job group dropped) is not traced twice
+        self._buffers = BufferWatch(model) if self.check_every else None
         self._traced_from = 0  # the first step the profiler saw
         resumed_at = progress.step
         if self.break_at and not self._reachable(
@@ -197,6 +199,8 @@ class DebugFlags:
     def before_forward(self, micro_batches: list) -> list:
         """The step's micro-batches, once drawn: start the profiler at step A, stop in the debugger at step N."""
         step = self.progress.step + 1  # the step about to run
+        if self._buffers is not None and step % self.check_every == 0:
+            self._buffers.start()
         if self.profile_range is not None and not self._profiled and self._profiler is None:
             start, end = self.profile_range
             if start <= step <= end:  # a run resumed inside A..B traces the steps left
@@ -217,8 +221,8 @@ class DebugFlags:
     def after_step(self) -> None:
         """After an optimizer step: compare the replicas every N steps; end the trace at step B."""
         step = self.progress.step
-        if self.check_every and step % self.check_every == 0:
-            check_replicas(self.env, self.model, step)
+        if self._buffers is not None and step % self.check_every == 0:
+            check_replicas(self.env, self.model, step, self._buffers.moved())
         if self._profiler is not None:
             self._profiler.step()
             if self.profile_range is not None and step >= self.profile_range[1]:
@@ -291,14 +295,18 @@ def _break_here(step: int, batch: Any, micro_batches: list, model: nn.Module) ->
 
 
 def checksums(model: nn.Module) -> tuple[list[str], torch.Tensor]:
-    """The parameters compared (by state_dict key), and for each three int64 checksums of its bits (wrapping sums,
-    exact whatever the order of the additions): of the bits, of their squares, and of each times its position, which
-    tells replicas whose elements are the same but in another order (rows permuted) apart. Buffers are left out:
-    every rank trains with rank 0's (module docstring). Sharded DTensors (fsdp) are left out too: each rank holds
-    another shard."""
+    """The tensors compared (parameters, then buffers, by name), and for each three int64 checksums of its bits
+    (wrapping sums, exact whatever the order of the additions): of the bits, of their squares, and of each times its
+    position, which tells replicas whose elements are the same but in another order (rows permuted) apart. Sharded
+    DTensors (fsdp) are left out: each rank holds another shard."""
+    return tensor_checksums([*model.named_parameters(), *model.named_buffers()])
+
+
+def tensor_checksums(named: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor]:
+    """checksums() of these (name, tensor) pairs."""
     names, sums = [], []
-    for name, parameter in model.named_parameters():
-        tensor: torch.Tensor = parameter
+    for name, each in named:
+        tensor: torch.Tensor = each
         if isinstance(tensor, DTensor):
             if not all(placement.is_replicate() for placement in tensor.placements):
                 continue
@@ -317,15 +325,49 @@ def checksums(model: nn.Module) -> tuple[list[str], torch.Tensor]:
     return names, torch.stack(sums).cpu()
 
 
-def check_replicas(env: DistEnv, model: nn.Module, step: int) -> None:
-    """Every rank's checksums in one all_gather; a RunError on every rank alike when any differs from rank 0's."""
+class BufferWatch:
+    """Which buffers a check step's forward changes on this rank: their checksums before the step, and after each
+    forward of it (a forward hook, there only for that step)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._before: dict[str, torch.Tensor] = {}
+        self._after: dict[str, torch.Tensor] = {}
+        self._hook: Any = None
+
+    def _sums(self) -> dict[str, torch.Tensor]:
+        names, sums = tensor_checksums(list(self.model.named_buffers()))
+        return dict(zip(names, sums, strict=True))
+
+    def start(self) -> None:
+        self._before, self._after = self._sums(), {}
+        if self._hook is None:
+            self._hook = self.model.register_forward_hook(lambda *_: self._after.update(self._sums()))
+
+    def moved(self) -> set[str]:
+        """The buffers whose bits the step's forward changed on this rank (every buffer, if no forward was seen)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        return {
+            name
+            for name, before in self._before.items()
+            if name not in self._after or not torch.equal(before, self._after[name])
+        }
+
+
+def check_replicas(env: DistEnv, model: nn.Module, step: int, moved: set[str]) -> None:
+    """Every rank's checksums in one all_gather; a RunError on every rank alike when any differs from rank 0's.
+    `moved`: the buffers this step's forward changed on this rank; one that any rank's changed is not compared."""
     if not env.is_distributed:
         return
-    names, local = checksums(model)
+    names, sums = checksums(model)
+    local = torch.cat([sums, torch.tensor([[int(name in moved)] for name in names], dtype=torch.int64)], dim=1)
     gathered = [torch.empty_like(local) for _ in range(env.world_size)]
     dist.all_gather(gathered, local)
-    table = torch.stack(gathered)  # (rank, tensor, checksum)
-    differs = (table != table[0]).any(dim=2)  # (rank, tensor): unlike rank 0's
+    table = torch.stack(gathered)  # (rank, tensor, three checksums and "moved")
+    compared = table[:, :, 3].amax(dim=0) == 0  # (tensor): no rank's forward changed it
+    differs = (table[:, :, :3] != table[0, :, :3]).any(dim=2) & compared  # (rank, tensor): unlike rank 0's
     if not bool(differs.any()):
         return
     first = int(differs.any(dim=0).nonzero()[0])

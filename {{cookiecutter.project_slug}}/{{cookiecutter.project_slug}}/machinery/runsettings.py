@@ -153,8 +153,9 @@ class RunSettings(Distributed):
     )
     check_replicas: int = option(
         0,
-        "every N optimizer steps, compare every rank's parameters bit for bit and stop at the first that differs "
-        "(buffers are rank 0's at each forward; under fsdp, sharded parameters are left out); 0 = off",
+        "every N optimizer steps, compare every rank's parameters and buffers bit for bit and stop at the first "
+        "that differs (buffers the forward changes, running statistics, are left out; under fsdp, sharded "
+        "parameters too); 0 = off",
         min=0,
     )
 
