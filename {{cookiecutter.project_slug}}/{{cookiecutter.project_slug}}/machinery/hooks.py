@@ -4,6 +4,7 @@
 |----------|-----------------------------------------------|----------------------|-----------------------------------|
 | data.py  | build_datasets(cfg) -> (train, val or None)   | yes                  |                                   |
 | data.py  | collate(items) -> batch                       | no                   | torch's default_collate           |
+| data.py  | prepare_data(cfg)                             | no                   | (build_datasets does it all)      |
 | model.py | build_model(cfg, train_dataset) -> Module     | yes                  |                                   |
 | model.py | loss_fn(outputs, targets) -> mean loss        | without compute_loss | (the step on (inputs, target))    |
 | model.py | val_metrics(outputs, targets) -> {name: sum}  | no                   | val_loss only                     |
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 
 # file -> hooks it may define; the first of each file's are required.
 HOOKS: dict[str, tuple[str, ...]] = {
-    "data": ("build_datasets", "collate"),
+    "data": ("build_datasets", "collate", "prepare_data"),
     "model": (
         "build_model",
         "loss_fn",
@@ -111,6 +112,8 @@ class UserCode:
                 if not callable(getattr(self.modules[file], name, None)):
                     raise RunError(f"{file}.py has no function {name}: the trainer needs it (see machinery/hooks.py)")
         self.env, self._agreed = env, env is None
+        # once per machine, on its local rank 0, before any of its ranks builds the datasets (downloads, caches)
+        self.prepare_data = self._hook("data", "prepare_data")
         self.build_datasets = self._hook("data", "build_datasets", _check_datasets)
         # torch's default collate when data.py has none, so items that do not stack are told in one line
         self.collate: Callable[[list], Any] = self._hook("data", "collate") or Hook("collate", "data", _default_collate)

@@ -71,6 +71,8 @@ class Trainer:
         self.user = UserCode(PACKAGE, env)
         for line in self.user.misspelled() + self.user.unused():
             self.warn_once("%s", line)
+        if self.user.prepare_data is not None:  # downloads, a cache: once per machine, the others wait for it
+            distributed.once_per_machine(env, "prepare_data", lambda: self.user.prepare_data(cfg))
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.train_data, self.val_data = self.user.build_datasets(cfg)
         self.stream = isinstance(self.train_data, IterableDataset)
