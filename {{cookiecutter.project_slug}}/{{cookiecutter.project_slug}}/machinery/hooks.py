@@ -13,6 +13,7 @@
 | model.py | build_scheduler(cfg, optimizer, total_steps)  | no                   | optim.SampleSchedule              |
 | model.py | shard_units(model) -> [Module or [Module]]    | no                   | parallel.default_shard_units      |
 | model.py | extra_state(cfg, model, optimizer) -> {name: part} | no              | model, optimizer, ... only        |
+| model.py | pretrained_weights(cfg) -> path or None       | no                   | build_model's own weights         |
 
 A top-level function of model.py or data.py whose name is close to a hook's but not one (`build_optimiser`) is
 named in a warning at start-up: it would otherwise be ignored without a word; so is a val_metrics that compute_loss
@@ -31,6 +32,7 @@ import difflib
 import importlib
 import inspect
 import logging
+import os
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -57,6 +59,7 @@ HOOKS: dict[str, tuple[str, ...]] = {
         "build_scheduler",
         "shard_units",
         "extra_state",
+        "pretrained_weights",
     ),
 }
 REQUIRED = {"data": ("build_datasets",), "model": ("build_model",)}
@@ -125,6 +128,7 @@ class UserCode:
         self.build_scheduler = self._hook("model", "build_scheduler", _check_scheduler)
         self.shard_units = self._hook("model", "shard_units")
         self.extra_state = self._hook("model", "extra_state")
+        self.pretrained_weights = self._hook("model", "pretrained_weights", _check_weights_path)
         if self.compute_loss is None and self.loss_fn is None:
             raise RunError("model.py has neither compute_loss(model, batch) nor loss_fn(outputs, targets): define one")
 
@@ -329,6 +333,14 @@ def _check_datasets(value: Any) -> None:
 def _check_model(value: Any) -> None:
     if not isinstance(value, torch.nn.Module):
         raise RunError(f"build_model in model.py returned a {type(value).__name__}: return the torch.nn.Module")
+
+
+def _check_weights_path(value: Any) -> None:
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise RunError(
+            f"pretrained_weights in model.py returned a {type(value).__name__}: return the path of the starting "
+            "weights (a .safetensors file, a Hugging Face model folder, a .pt/.pth state dict), or None for none"
+        )
 
 
 def _check_optimizer(value: Any) -> None:
