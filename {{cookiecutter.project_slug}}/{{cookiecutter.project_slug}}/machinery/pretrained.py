@@ -81,7 +81,8 @@ class WeightsFile:
 
     def _read_header(self, file: Path) -> None:
         with _safe_open(file) as handle:
-            for name in handle.keys():
+            names = handle.keys()  # a safe_open handle is no dict: it has keys() but no iteration
+            for name in names:
                 self.shapes[name] = tuple(handle.get_slice(name).get_shape())
                 self.files[name] = file
 
