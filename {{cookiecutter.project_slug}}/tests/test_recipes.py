@@ -1,6 +1,6 @@
 """The recipes of docs/recipes.md for your own model and data (a nanoGPT-style LM, a pretrained Hugging Face model
-fine-tuned, a Hugging Face causal LM on a Dataset and on a stream split per rank, a stream, optimizer groups with a schedule of your own, an EMA and a second
-optimizer) train and evaluate as written, in a copy of this project.
+fine-tuned, a Hugging Face causal LM on a Dataset and on a stream split per rank, a stream, optimizer groups with a
+schedule of your own, an EMA and a second optimizer) train and evaluate as written, in a copy of this project.
 
 A recipe is the ```python blocks marked `<!-- recipe NAME: FILE -->` in README.md and docs/*.md (today all in
 docs/recipes.md); `(with OTHER: FILE, ...)` in the mark takes those files of recipe OTHER first and adds this block
