@@ -15,7 +15,15 @@ import sys
 import conftest
 import pytest
 import torch
-from conftest import EXACT, PACKAGE, ROOT, assert_same_weights, final_model, sigkill_at_random_and_resume
+from conftest import (
+    EXACT,
+    PACKAGE,
+    ROOT,
+    assert_same_weights,
+    final_model,
+    save_base_model,
+    sigkill_at_random_and_resume,
+)
 from test_recipes import RECIPES
 
 pytest.importorskip("transformers")
@@ -38,6 +46,28 @@ def compute_loss(model, batch):
             f.write(json.dumps({"pid": os.getpid(), "rows": batch["input_ids"].tolist()}) + "\\n")
     return _recipe_compute_loss(model, batch)
 """
+# Appended to the pretrained recipe's model.py: the weights each process's first training step meets (rank 0
+# writes them; under fsdp the shards are gathered).
+FIRST_STATE = """
+
+_before_first_state = compute_loss
+_first_state = [True]
+
+
+def compute_loss(model, batch):
+    import os
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if model.training and _first_state[0]:
+        _first_state[0] = False
+        state = getattr(model, "module", model).state_dict()  # without DDP's wrapper
+        state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
+        if os.environ.get("RANK", "0") == "0":
+            torch.save(state, os.path.join(os.environ["HF_RECORD"], f"first-state-{os.getpid()}.pt"))
+    return _before_first_state(model, batch)
+"""
 
 
 @pytest.fixture
@@ -45,12 +75,13 @@ def recipe(tmp_path, monkeypatch):
     """A copy of this project with a recipe's model.py and data.py, which the runs of the test train: a function
     that takes the recipe's name and returns the copy's (model, data) modules."""
 
-    def make(name):
+    def make(name, extra=""):
         workspace = tmp_path / "project"
         shutil.copytree(ROOT / PACKAGE, workspace / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copy(ROOT / "train.py", workspace / "train.py")
         for file, source in RECIPES[name].items():
-            (workspace / PACKAGE / file).write_text(source + (RECORD if file == "model.py" else ""), encoding="utf-8")
+            added = RECORD + extra if file == "model.py" else ""
+            (workspace / PACKAGE / file).write_text(source + added, encoding="utf-8")
         (tmp_path / "rows").mkdir()
         monkeypatch.setenv("HF_RECORD", str(tmp_path / "rows"))
         monkeypatch.setattr(conftest, "ROOT", workspace)  # train_cmd() and child_env() take the copy
@@ -112,3 +143,25 @@ def test_a_split_stream_trains_every_item_of_each_split_once_in_order_and_resume
         assert reference_rows == expected  # the uninterrupted run: every item of this rank's split, in order
         last = attempts[-1]  # the attempt that finished: from the snapshot it resumed, to the end
         assert last == expected[resumed["resumed_from"] * BATCH :]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_pretrained_model_starts_from_its_weights_and_a_resume_from_its_snapshot_bitwise(
+    tmp_path, recipe, monkeypatch, strategy
+):
+    """The fine-tuning recipe: prepare_data tokenizes into a cache, the runs start from the weights of a folder that
+    save_pretrained wrote (under fsdp: built on meta, sharded, then loaded), and a SIGKILLed run resumes from its
+    snapshot, not from the weights, to the same bits as the uninterrupted one."""
+    save_base_model(tmp_path / "base-model")
+    monkeypatch.setenv("BASE_MODEL", str(tmp_path / "base-model"))
+    monkeypatch.setenv("DATA_CACHE", str(tmp_path / "data-cache"))
+    model_module, _ = recipe("hf-pretrained", extra=FIRST_STATE)
+    killed_run_ends_as_the_uninterrupted_one(tmp_path, model_module, strategy)
+    transformers = importlib.import_module("transformers")
+    expected = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base-model").state_dict()
+    firsts = [torch.load(path) for path in sorted((tmp_path / "rows").glob("first-state-*.pt"))]
+    from_weights = [first for first in firsts if all(torch.equal(first[k], expected[k]) for k in expected)]
+    # the uninterrupted run and the killed one start from the weights; the restart from its snapshot
+    assert len(firsts) == 3 and len(from_weights) == 2, len(firsts)
+    assert (tmp_path / "data-cache").is_dir()

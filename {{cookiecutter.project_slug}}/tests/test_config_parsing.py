@@ -92,11 +92,64 @@ def test_flags_must_be_spelled_out(tmp_path, capsys):
 
 def test_unsupported_field_types_are_refused_when_the_parser_is_built():
     @dataclass
-    class Lists:
-        sizes: list[int] = dataclasses.field(default_factory=list)
+    class Tables:
+        sizes: dict[str, int] = dataclasses.field(default_factory=dict)
 
-    with pytest.raises(TypeError, match="sizes"):
-        config.build_parser(Lists)
+    @dataclass
+    class Nested:
+        sizes: list[list[int]] = dataclasses.field(default_factory=list)
+
+    for unsupported in (Tables, Nested):
+        with pytest.raises(TypeError, match="sizes"):
+            config.build_parser(unsupported)
+
+
+@dataclass
+class Lists:
+    """Settings that hold several values, and optional ones of every kind."""
+
+    lora_targets: list[str] = option(["c_attn"], "modules that get adapters")
+    sizes: tuple[int, ...] = option((1, 2), "positive sizes", min=1)
+    rates: list[float] | None = option(None, "optional rates")
+    layers: tuple[int, ...] | None = option((0,), "optional layers, some by default")
+    pair: list[int] = option([1, 2], "exactly two", check=lambda v: None if len(v) == 2 else f"needs 2, got {len(v)}")
+    strict: bool | None = option(None, "an optional bool")
+    names: list[str] = dataclasses.field(default_factory=list)  # a plain field with a factory
+
+
+def test_lists_and_tuples_from_the_command_line(capsys):
+    assert config.parse_args([], config_cls=Lists) == Lists()
+    assert Lists().lora_targets is not Lists().lora_targets  # each config has its own default list
+    cfg = config.parse_args(
+        ["--lora-targets", "c_attn", "c_proj", "--sizes", "3", "--rates", "0.5", "2", "--names"], config_cls=Lists
+    )
+    assert (cfg.lora_targets, cfg.sizes, cfg.rates, cfg.names) == (["c_attn", "c_proj"], (3,), [0.5, 2.0], [])
+    assert type(cfg.sizes) is tuple and type(cfg.rates[1]) is float
+    assert config.parse_args(["--layers", "none"], config_cls=Lists).layers is None
+    assert config.parse_args(["--layers"], config_cls=Lists).layers == ()
+    assert config.parse_args(["--lora-targets", "none"], config_cls=Lists).lora_targets == ["none"]  # not optional
+    assert "--sizes" in refused(["--sizes", "1", "x"], capsys, Lists)
+    assert "--sizes" in refused(["--sizes", "1", "0"], capsys, Lists)  # the bounds apply to each item
+    assert "--pair" in refused(["--pair", "1", "2", "3"], capsys, Lists)  # check sees the whole list
+    assert "--lora-targets [STR ...]" in config.build_parser(Lists).format_help()
+
+
+def test_lists_and_tuples_from_toml_and_back(tmp_path, capsys):
+    path = write(tmp_path, 'lora_targets = ["c_attn", "c_proj"]\nsizes = [4]\nrates = [1, 0.25]\nlayers = "none"\n')
+    cfg = config.parse_args(["--config", path], config_cls=Lists)
+    assert (cfg.lora_targets, cfg.sizes, cfg.rates, cfg.layers) == (["c_attn", "c_proj"], (4,), [1.0, 0.25], None)
+    assert config.parse_args(["--config", path, "--sizes", "5", "6"], config_cls=Lists).sizes == (5, 6)
+    for changed in (
+        cfg,
+        Lists(lora_targets=[], rates=[], strict=False, names=['a "quoted"\n', "é"]),
+        Lists(layers=(-3, 2**40), rates=[math.pi, 5e-324], strict=True),
+    ):
+        back = write(tmp_path, config.to_toml(changed), "back.toml")
+        assert config.parse_args(["--config", back], config_cls=Lists) == changed
+    assert 'lora_targets = ["c_attn", "c_proj"]' in config.to_toml(cfg).splitlines()
+    for text in ('lora_targets = "c_attn"\n', "sizes = [1, 2.5]\n", 'rates = [1, "x"]\n', "sizes = [0]\n"):
+        key = text.split(" ")[0]
+        assert key in refused(["--config", write(tmp_path, text)], capsys, Lists)
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
-"""The recipes of docs/recipes.md for your own model and data (a nanoGPT-style LM, a Hugging Face causal LM on a
-Dataset and on a stream split per rank, a stream, optimizer groups with a schedule of your own, an EMA and a second
-optimizer) train and evaluate as written, in a copy of this project.
+"""The recipes of docs/recipes.md for your own model and data (a nanoGPT-style LM, a pretrained Hugging Face model
+fine-tuned, a Hugging Face causal LM on a Dataset and on a stream split per rank, a stream, optimizer groups with a
+schedule of your own, an EMA and a second optimizer) train and evaluate as written, in a copy of this project.
 
 A recipe is the ```python blocks marked `<!-- recipe NAME: FILE -->` in README.md and docs/*.md (today all in
 docs/recipes.md); `(with OTHER: FILE, ...)` in the mark takes those files of recipe OTHER first and adds this block
@@ -11,7 +11,7 @@ import re
 import shutil
 
 import pytest
-from conftest import PACKAGE, QUICK, ROOT, child_env, outputs, run, summary, train_cmd
+from conftest import PACKAGE, QUICK, ROOT, child_env, outputs, run, save_base_model, summary, train_cmd
 
 MARK = re.compile(r"<!-- recipe ([\w-]+): ([\w.]+)(?: \(with ([\w-]+): ([\w., ]+)\))? -->\n```python\n(.*?)```", re.S)
 
@@ -33,8 +33,8 @@ def recipes():
 RECIPES = recipes()
 
 
-def test_the_docs_have_the_six_recipes():
-    assert set(RECIPES) == {"nanogpt", "hf", "hf-stream", "stream", "nanogpt-optim", "ema"}
+def test_the_docs_have_the_seven_recipes():
+    assert set(RECIPES) == {"nanogpt", "hf-pretrained", "hf", "hf-stream", "stream", "nanogpt-optim", "ema"}
     assert all(set(files) == {"model.py", "data.py"} for files in RECIPES.values())
 
 
@@ -48,6 +48,8 @@ def test_a_recipe_trains_and_evaluates(tmp_path, name):
     shutil.copy(ROOT / "train.py", workspace / "train.py")
     for file, source in RECIPES[name].items():
         (workspace / PACKAGE / file).write_text(source, encoding="utf-8")
+    if "pretrained_weights" in RECIPES[name]["model.py"]:  # a model to start from, offline
+        save_base_model(workspace / "base-model")
     args = QUICK + ["--max-steps", "4", "--batch-size", "4", "--eval-every", "0", "--snapshot-every", "2"]
     cmd = train_cmd(script=str(workspace / "train.py")) + args + outputs(tmp_path)
     run(cmd, env=child_env(PYTHONPATH=workspace), cwd=workspace)

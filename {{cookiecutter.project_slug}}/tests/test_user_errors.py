@@ -162,6 +162,57 @@ def test_map_style_data_split_per_rank_is_refused_at_start_up_in_one_line(tmp_pa
     assert not list(tmp_path.glob("run-snapshots/step-*"))
 
 
+# -- prepare_data: once per machine, before build_datasets, however long it takes ------------------------------------
+
+PREPARE_DATA = """
+import os
+import time
+from pathlib import Path
+
+PREPARED = Path(os.environ["PREPARED_DIR"])
+whole_datasets = build_datasets
+
+
+def prepare_data(cfg):
+    with open(PREPARED / "calls", "a") as calls:
+        calls.write(os.environ.get("RANK", "0") + "\\n")
+    if os.environ.get("PREPARE_FAILS"):
+        raise ValueError("no such dataset on the hub")
+    time.sleep(4)  # longer than --dist-timeout: the other rank must wait anyway
+    (PREPARED / "cache").write_text(str(cfg.dataset_size))
+
+
+def build_datasets(cfg):
+    with open(PREPARED / "built", "a") as built:
+        built.write(os.environ.get("RANK", "0") + "\\n")
+    cfg.dataset_size = int((PREPARED / "cache").read_text())  # what prepare_data wrote, on every rank
+    return whole_datasets(cfg)
+"""
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["prepares", "raises"])
+def test_prepare_data_runs_once_per_machine_before_build_datasets_and_its_error_stops_every_rank(tmp_path, fails):
+    workspace = project(tmp_path, data=PREPARE_DATA)
+    line = line_of(workspace, "data.py", 'raise ValueError("no such dataset')
+    env = child_env(PYTHONPATH=workspace, PREPARED_DIR=tmp_path, **({"PREPARE_FAILS": "1"} if fails else {}))
+    started = time.monotonic()
+    cmd = train_cmd(2, ["--max-restarts=0"], script=str(workspace / "train.py"))
+    result = run(cmd + SHORT + ["--dist-timeout", "2"] + outputs(tmp_path), env=env, cwd=workspace, check=False)
+    out = result.stdout
+    assert (tmp_path / "calls").read_text().split() == ["0"], out[-4000:]  # local rank 0 only, once
+    if not fails:
+        assert result.returncode == 0, out[-4000:]
+        assert sorted((tmp_path / "built").read_text().split()) == ["0", "1"]  # each after the cache was written
+        return
+    assert time.monotonic() - started < 90, "a rank waited for prepare_data after it failed"
+    assert result.returncode == 1, out[-4000:]
+    (error,) = records(out, "ERROR")
+    assert error.startswith("prepare_data in data.py raised ValueError: no such dataset on the hub"), error
+    assert f"data.py:{line}" in error, error
+    assert "stopped because rank 0 failed in prepare_data" in out, out  # rank 1's warning, or torchrun's summary
+    assert not (tmp_path / "built").exists()  # no rank went on to build_datasets
+
+
 # -- a hook that raises in a DataLoader worker -----------------------------------------------------------------------
 
 COLLATE_RAISES = """

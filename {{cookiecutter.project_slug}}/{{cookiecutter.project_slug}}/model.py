@@ -11,6 +11,9 @@
   needs (typically: each transformer block). Without it, each direct child that has parameters is one unit, and
   a container without forward (`nn.ModuleList`) gives its children.
 
+To fine-tune, `pretrained_weights(cfg)` (optional) returns where the starting weights are (a `.safetensors` file,
+a Hugging Face model folder, a `.pt` state dict; None: none): a run with no snapshot starts from them.
+
 Other shapes of training need no other file: `compute_loss(model, batch)` for dict batches and losses the model
 computes (token-weighted with `{"loss": SUM, "count": N}`), `build_optimizer(cfg, model)` and
 `build_scheduler(cfg, optimizer, total_steps)` for your own. machinery/hooks.py lists every hook and its default;

@@ -11,6 +11,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import debug
+from .faults import PeerFailed
 from .settings import RunError
 
 log = logging.getLogger(__name__)
@@ -147,6 +149,35 @@ def store_address() -> tuple[str, int]:
     if _store_address is None:
         raise RuntimeError("no process group store: start the process group first (distributed.init)")
     return _store_address
+
+
+def once_per_machine(env: DistEnv, name: str, function: Callable[[], Any]) -> None:
+    """`function()` on this machine's local rank 0, while the machine's other ranks wait for it to end, however
+    long it takes: they poll a key of the job's store, not a collective, so --dist-timeout does not cut a long
+    download or tokenization short. If local rank 0 dies, torchrun stops the others.
+
+    An exception in it is raised on local rank 0 (the caller tells it); the machine's other ranks raise
+    PeerFailed naming `name` and that rank. Ranks of a machine are numbered from `rank - local_rank` (torchrun's).
+    """
+    if not env.is_distributed or env.local_world_size == 1:
+        function()
+        return
+    host, port = store_address()
+    store = dist.TCPStore(host, port, is_master=False, timeout=LONG_TIMEOUT)
+    first = env.rank - env.local_rank
+    key = f"ddp_template/once/{name}/{first}"
+    if env.local_rank == 0:
+        outcome = "failed"
+        try:
+            function()
+            outcome = "done"
+        finally:
+            store.set(key, outcome)
+        return
+    while not store.check([key]):
+        time.sleep(0.05)
+    if store.get(key).decode() != "done":
+        raise PeerFailed(f"rank {first} failed in {name}")
 
 
 def _accepts_connections(host: str, port: int) -> bool:

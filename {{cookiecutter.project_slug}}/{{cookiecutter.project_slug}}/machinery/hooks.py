@@ -4,6 +4,7 @@
 |----------|-----------------------------------------------|----------------------|-----------------------------------|
 | data.py  | build_datasets(cfg) -> (train, val or None)   | yes                  |                                   |
 | data.py  | collate(items) -> batch                       | no                   | torch's default_collate           |
+| data.py  | prepare_data(cfg)                             | no                   | (build_datasets does it all)      |
 | model.py | build_model(cfg, train_dataset) -> Module     | yes                  |                                   |
 | model.py | loss_fn(outputs, targets) -> mean loss        | without compute_loss | (the step on (inputs, target))    |
 | model.py | val_metrics(outputs, targets) -> {name: sum}  | no                   | val_loss only                     |
@@ -12,6 +13,7 @@
 | model.py | build_scheduler(cfg, optimizer, total_steps)  | no                   | optim.SampleSchedule              |
 | model.py | shard_units(model) -> [Module or [Module]]    | no                   | parallel.default_shard_units      |
 | model.py | extra_state(cfg, model, optimizer) -> {name: part} | no              | model, optimizer, ... only        |
+| model.py | pretrained_weights(cfg) -> path or None       | no                   | build_model's own weights         |
 
 A top-level function of model.py or data.py whose name is close to a hook's but not one (`build_optimiser`) is
 named in a warning at start-up: it would otherwise be ignored without a word; so is a val_metrics that compute_loss
@@ -30,6 +32,7 @@ import difflib
 import importlib
 import inspect
 import logging
+import os
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -46,7 +49,7 @@ log = logging.getLogger(__name__)
 
 # file -> hooks it may define; the first of each file's are required.
 HOOKS: dict[str, tuple[str, ...]] = {
-    "data": ("build_datasets", "collate"),
+    "data": ("build_datasets", "collate", "prepare_data"),
     "model": (
         "build_model",
         "loss_fn",
@@ -56,6 +59,7 @@ HOOKS: dict[str, tuple[str, ...]] = {
         "build_scheduler",
         "shard_units",
         "extra_state",
+        "pretrained_weights",
     ),
 }
 REQUIRED = {"data": ("build_datasets",), "model": ("build_model",)}
@@ -111,6 +115,8 @@ class UserCode:
                 if not callable(getattr(self.modules[file], name, None)):
                     raise RunError(f"{file}.py has no function {name}: the trainer needs it (see machinery/hooks.py)")
         self.env, self._agreed = env, env is None
+        # once per machine, on its local rank 0, before any of its ranks builds the datasets (downloads, caches)
+        self.prepare_data = self._hook("data", "prepare_data")
         self.build_datasets = self._hook("data", "build_datasets", _check_datasets)
         # torch's default collate when data.py has none, so items that do not stack are told in one line
         self.collate: Callable[[list], Any] = self._hook("data", "collate") or Hook("collate", "data", _default_collate)
@@ -122,6 +128,7 @@ class UserCode:
         self.build_scheduler = self._hook("model", "build_scheduler", _check_scheduler)
         self.shard_units = self._hook("model", "shard_units")
         self.extra_state = self._hook("model", "extra_state")
+        self.pretrained_weights = self._hook("model", "pretrained_weights", _check_weights_path)
         if self.compute_loss is None and self.loss_fn is None:
             raise RunError("model.py has neither compute_loss(model, batch) nor loss_fn(outputs, targets): define one")
 
@@ -338,6 +345,14 @@ def _check_datasets(value: Any) -> None:
 def _check_model(value: Any) -> None:
     if not isinstance(value, torch.nn.Module):
         raise RunError(f"build_model in model.py returned a {type(value).__name__}: return the torch.nn.Module")
+
+
+def _check_weights_path(value: Any) -> None:
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise RunError(
+            f"pretrained_weights in model.py returned a {type(value).__name__}: return the path of the starting "
+            "weights (a .safetensors file, a Hugging Face model folder, a .pt/.pth state dict), or None for none"
+        )
 
 
 def _check_optimizer(value: Any) -> None:

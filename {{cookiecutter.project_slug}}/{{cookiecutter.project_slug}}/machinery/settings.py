@@ -1,9 +1,10 @@
 """The adapter between a settings dataclass (config.py's `Config`, or a user's own) and the command line and TOML.
 
 Each field becomes a flag (`batch_size` -> `--batch-size`); a bool field becomes a pair, `--compile/--no-compile`;
-unknown flags are an error. `--config run.toml` reads settings from a TOML file whose keys are field names; flags on
-the command line override the file. The values a field accepts are declared on the field (`option(32, "...",
-min=1)`) and checked, for flags and file alike, before the run starts.
+a list or tuple field takes its items after the flag (`--lora-targets c_attn c_proj`); unknown flags are an error.
+`--config run.toml` reads settings from a TOML file whose keys are field names (a list: `lora_targets = ["c_attn",
+"c_proj"]`); flags on the command line override the file. The values a field accepts are declared on the field
+(`option(32, "...", min=1)`) and checked, for flags and file alike, before the run starts.
 
 Plain argparse rather than tyro: argparse is in the standard library, and this file is cheaper to keep than a
 dependency. No torch here: `train.py --help` and a mistyped flag answer before torch loads.
@@ -50,13 +51,18 @@ class Rules:
     check: Callable[[Any], str | None] | None = None  # a rule of its own: what is wrong with a value, or None
 
     def problem(self, value: Any) -> str | None:
-        """What is wrong with `value` ("must be > 0, got -1.0"), or None when it is allowed."""
+        """What is wrong with `value` ("must be > 0, got -1.0"), or None when it is allowed. For a list or tuple,
+        `check` sees the whole value and the other rules each item."""
         if value is None:
             return None
         if self.check is not None:
             found = self.check(value)
             if found:
                 return found
+        if isinstance(value, (list, tuple)):
+            items = dataclasses.replace(self, check=None)
+            found = [problem for problem in map(items.problem, value) if problem]
+            return found[0] if found else None
         if self.choices is not None and value not in self.choices:
             return f"must be one of {', '.join(map(str, self.choices))}, got {shown(value)}"
         if self.nonempty and value == "":
@@ -109,11 +115,15 @@ def option(
     check: Callable[[Any], str | None] | None = None,
 ) -> Any:
     """A config field: its default, its help text (shown by --help; write % as %%) and the values it accepts
-    (`check`: a function of the value that says what is wrong with it, or returns None)."""
+    (`check`: a function of the value that says what is wrong with it, or returns None). For a list or tuple
+    setting, the bounds and choices apply to each item, `check` to the whole."""
     rules = Rules(
         tuple(choices) if choices is not None else None, min, max, above, below, nonempty, finite, reason, check
     )
-    return field(default=default, metadata={"help": help, "rules": rules})
+    metadata = {"help": help, "rules": rules}
+    if isinstance(default, list):  # a dataclass refuses a mutable default: each config gets a copy of it
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def step_range(text: str) -> tuple[int, int] | None:
@@ -148,11 +158,12 @@ class Setting:
     """One field of a config dataclass, as the command line and config files see it."""
 
     name: str
-    type: type  # one of SCALARS
+    type: type  # one of SCALARS: the field's, or each item's when `container` is set
     optional: bool  # also accepts None
     default: Any
     help: str
     rules: Rules
+    container: type | None = None  # list or tuple (of `type`), or None for a single value
 
 
 def settings(config_cls: type) -> list[Setting]:
@@ -165,21 +176,31 @@ def settings(config_cls: type) -> list[Setting]:
             rest = [arg for arg in typing.get_args(hint) if arg is not type(None)]
             optional = len(rest) < len(typing.get_args(hint))
             hint = rest[0] if optional and len(rest) == 1 else hint
-        if hint not in SCALARS:
+        container, args = typing.get_origin(hint), typing.get_args(hint)
+        if (container is list and len(args) == 1) or (container is tuple and args[1:] == (Ellipsis,)):
+            hint = args[0]
+        else:
+            container = None
+        if hint not in SCALARS or (container is not None and hint is bool):
             raise TypeError(
-                f"{config_cls.__name__}.{spec.name}: type {hints[spec.name]} is not supported "
-                f"(use int, float, str, bool, or one of them | None)"
+                f"{config_cls.__name__}.{spec.name}: type {hints[spec.name]} is not supported (use int, float, str, "
+                "bool, list[int | float | str], tuple[int | float | str, ...], or one of them | None)"
             )
-        if spec.default is dataclasses.MISSING:
+        if spec.default is not dataclasses.MISSING:
+            default = spec.default
+        elif spec.default_factory is not dataclasses.MISSING:
+            default = spec.default_factory()
+        else:
             raise TypeError(f"{config_cls.__name__}.{spec.name} needs a default")
         found.append(
             Setting(
                 spec.name,
                 hint,
                 optional,
-                spec.default,
+                default,
                 spec.metadata.get("help", ""),
                 spec.metadata.get("rules", Rules()),
+                container,
             )
         )
     return found
@@ -198,6 +219,29 @@ def _or_none(convert):
 
     parse.__name__ = convert.__name__  # argparse names it in "invalid int value: 'x'"
     return parse
+
+
+class _Items(argparse.Action):
+    """The items after a list or tuple flag, each converted to the setting's type; a lone NONE_WORDS item is None
+    for an optional setting."""
+
+    def __init__(self, *args: Any, setting: Setting, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.setting = setting
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setting = self.setting
+        if setting.optional and len(values) == 1 and values[0].strip().lower() in NONE_WORDS:
+            setattr(namespace, self.dest, None)
+            return
+        items = []
+        for text in values:
+            try:
+                items.append(setting.type(text))
+            except ValueError:
+                raise argparse.ArgumentError(self, f"invalid {setting.type.__name__} value: {text!r}") from None
+        assert setting.container is not None
+        setattr(namespace, self.dest, setting.container(items))
 
 
 def build_parser(config_cls: type) -> argparse.ArgumentParser:
@@ -228,6 +272,18 @@ def build_parser(config_cls: type) -> argparse.ArgumentParser:
                 action=argparse.BooleanOptionalAction,
                 default=setting.default,
                 help=setting.help,
+            )
+            continue
+        if setting.container is not None:
+            group.add_argument(
+                flag(setting.name),
+                dest=setting.name,
+                default=setting.default,
+                help=setting.help,
+                nargs="*",
+                metavar=setting.type.__name__.upper(),
+                action=_Items,
+                setting=setting,
             )
             continue
         choices = setting.rules.choices
@@ -266,6 +322,17 @@ def _from_toml(setting: Setting, value: Any) -> Any:
     """The value of `setting` a TOML value stands for; ValueError when its TOML type does not fit."""
     if setting.optional and isinstance(value, str) and value.strip().lower() in NONE_WORDS:
         return None
+    if setting.container is not None:
+        if not isinstance(value, list):
+            raise ValueError(
+                f"must be an array of {TYPE_WORDS[setting.type].removeprefix('a ').removeprefix('an ')}s"
+                f"{' or none' if setting.optional else ''}, got {_toml_kind(value)} ({shown(value)})"
+            )
+        item = dataclasses.replace(setting, optional=False, container=None)
+        try:
+            return setting.container(_from_toml(item, each) for each in value)
+        except ValueError as exc:
+            raise ValueError(f"items {exc}") from None
     if setting.type is float and type(value) is int:
         try:
             return float(value)  # `lr = 1` means 1.0
@@ -364,6 +431,8 @@ def parse_args(argv: Sequence[str] | None, config_cls: type[SettingsT]) -> Setti
 
 
 def _toml_value(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(_toml_value, value)) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):

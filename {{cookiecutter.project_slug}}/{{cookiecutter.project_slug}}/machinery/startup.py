@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import distributed, runfiles, tracking
+from . import distributed, pretrained, runfiles, tracking
 from .batches import Batches, Progress, RunLength
 from .optim import (
     OptimizerPart,
@@ -94,6 +94,8 @@ def build_and_restore(trainer: Trainer) -> dict | None:
         check_resumable(trainer, resumed, folder)
         ProgressPart(trainer.progress).load_state_dict(resumed["progress"])
     trainer.resumed_from = trainer.progress.step if resumed is not None else -1
+    if resumed is None and trainer.starting_weights is not None:  # a resume has them, trained on, in its snapshot
+        pretrained.load(trainer.model, trainer.starting_weights, env)
     trainer.length = RunLength(cfg, trainer.progress.step_samples, None if trainer.stream else len(trainer.train_data))
     trainer.total_steps = trainer.length.steps(trainer.progress, trainer.global_batch)
 

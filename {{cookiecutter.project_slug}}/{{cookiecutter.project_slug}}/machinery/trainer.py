@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from . import distributed, ending, logs, nonfinite, runfiles, startup, watchdog
+from . import distributed, ending, logs, nonfinite, pretrained, runfiles, startup, watchdog
 from .batches import Batches, Progress, RunLength
 from .debugflags import DebugFlags, check_debugger, replay_settings
 from .distributed import DistEnv
@@ -71,6 +71,8 @@ class Trainer:
         self.user = UserCode(PACKAGE, env)
         for line in self.user.misspelled() + self.user.unused():
             self.warn_once("%s", line)
+        if self.user.prepare_data is not None:  # downloads, a cache: once per machine, the others wait for it
+            distributed.once_per_machine(env, "prepare_data", lambda: self.user.prepare_data(cfg))
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.train_data, self.val_data = self.user.build_datasets(cfg)
         self.stream = isinstance(self.train_data, IterableDataset)
@@ -85,8 +87,12 @@ class Trainer:
                 f"({self.data_env.world_size} rank(s) x {flag('batch_size')} {cfg.batch_size} x "
                 f"{flag('grad_accum')} {cfg.grad_accum} = {self.global_batch}): lower them"
             )
-        self.model = self.user.build_model(cfg, self.train_data).to(env.device)
+        # With starting weights under fsdp, the parameters take memory only once sharded (pretrained.py)
+        self.starting_weights = pretrained.source(self.user, cfg)
+        on_meta = self.starting_weights is not None and cfg.strategy == "fsdp"
+        self.model = pretrained.build_model(self.user, cfg, self.train_data, env, on_meta, self.warn_once)
         self.parallel = Parallel(self.model, cfg, env, self.user)  # fsdp shards here, before the optimizer
+        pretrained.materialize(self.model, env.device)
         self.sharded = self.parallel.sharded
 
         timeout = distributed.collective_timeout(cfg).total_seconds()  # how long one rank may wait for the others

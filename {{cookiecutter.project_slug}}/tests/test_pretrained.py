@@ -1,0 +1,87 @@
+"""Starting from pretrained weights (machinery/pretrained.py) in one process: each kind of file gives the model
+exactly the tensors from_pretrained gives, tied weights stay tied, names that do not fit are one line, and
+parameters made on the meta device leave buffers as build_model made them."""
+
+import pytest
+import torch
+from conftest import assert_same_weights, save_base_model
+from torch import nn
+
+from {{ cookiecutter.project_slug }}.machinery import pretrained
+from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
+from {{ cookiecutter.project_slug }}.machinery.settings import RunError
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny GPT-2 saved by save_pretrained, and the state from_pretrained gives back."""
+    folder = tmp_path_factory.mktemp("base")
+    save_base_model(folder)
+    reference = transformers.GPT2LMHeadModel.from_pretrained(folder)
+    return folder, reference.state_dict()
+
+
+def fresh_model(folder):
+    torch.manual_seed(1)  # other random weights than the saved ones
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config.from_pretrained(folder))
+
+
+@pytest.mark.parametrize("kind", ["folder", "shards", "safetensors", "pt"])
+def test_a_model_starts_from_exactly_the_tensors_of_each_kind_of_weights(base, tmp_path, kind):
+    folder, reference = base
+    if kind == "shards":
+        path = tmp_path / "sharded"
+        save_base_model(path, max_shard_size="50KB")
+        assert (path / "model.safetensors.index.json").is_file()
+    elif kind == "safetensors":
+        path = folder / "model.safetensors"
+    elif kind == "pt":
+        path = tmp_path / "weights.pt"
+        torch.save(transformers.GPT2LMHeadModel.from_pretrained(folder).state_dict(), path)
+    else:
+        path = folder
+    model = fresh_model(folder)
+    assert not torch.equal(model.transformer.h[0].attn.c_attn.weight, reference["transformer.h.0.attn.c_attn.weight"])
+    pretrained.load(model, str(path), DistEnv())
+    assert_same_weights(model.state_dict(), reference)
+    assert model.lm_head.weight is model.transformer.wte.weight  # still one tensor
+
+
+def test_names_that_do_not_fit_the_model_are_one_line_naming_them(base, tmp_path):
+    folder, reference = base
+    state = dict(reference)
+    state.pop("lm_head.weight")  # tied: the embedding's name is enough
+    state["transformer.h.0.mlp.fc.weight"] = state.pop("transformer.h.0.mlp.c_fc.weight")
+    state["transformer.wpe.weight"] = torch.zeros(8, 32)
+    torch.save(state, tmp_path / "renamed.pt")
+    with pytest.raises(RunError) as refused:
+        pretrained.load(fresh_model(folder), str(tmp_path / "renamed.pt"), DistEnv())
+    line = str(refused.value)
+    assert "\n" not in line and str(tmp_path / "renamed.pt") in line
+    assert "missing transformer.h.0.mlp.c_fc.weight" in line and "unexpected transformer.h.0.mlp.fc.weight" in line
+    assert "transformer.wpe.weight [8, 32] in the file, [16, 32] in the model" in line
+    assert "lm_head" not in line
+    for absent in (tmp_path / "absent", tmp_path):  # no such path; a folder without weights
+        with pytest.raises(RunError, match=str(absent)):
+            pretrained.load(fresh_model(folder), str(absent), DistEnv())
+
+
+class Rotary(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 4, 2) / 4), persistent=False)
+
+
+def test_parameters_made_on_meta_take_no_memory_and_buffers_keep_their_values():
+    with pretrained.parameters_on_meta():
+        model = Rotary()
+    assert all(parameter.is_meta for parameter in model.parameters())
+    assert torch.equal(model.inv_freq, Rotary().inv_freq)
+    pretrained.materialize(model, torch.device("cpu"))
+    assert not any(parameter.is_meta for parameter in model.parameters())
+    assert torch.equal(model.inv_freq, Rotary().inv_freq)
+    assert nn.Linear(2, 2).weight.device.type == "cpu"  # only meanwhile
