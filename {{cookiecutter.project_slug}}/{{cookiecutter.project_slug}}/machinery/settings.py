@@ -13,6 +13,7 @@ dependency. No torch here: `train.py --help` and a mistyped flag answer before t
 from __future__ import annotations
 
 import argparse
+import builtins
 import dataclasses
 import difflib
 import inspect
@@ -61,8 +62,8 @@ class Rules:
                 return found
         if isinstance(value, (list, tuple)):
             items = dataclasses.replace(self, check=None)
-            found = [problem for problem in map(items.problem, value) if problem]
-            return found[0] if found else None
+            problems = [problem for problem in map(items.problem, value) if problem]
+            return problems[0] if problems else None
         if self.choices is not None and value not in self.choices:
             return f"must be one of {', '.join(map(str, self.choices))}, got {shown(value)}"
         if self.nonempty and value == "":
@@ -158,12 +159,12 @@ class Setting:
     """One field of a config dataclass, as the command line and config files see it."""
 
     name: str
-    type: type  # one of SCALARS: the field's, or each item's when `container` is set
+    type: builtins.type  # one of SCALARS: the field's, or each item's when `container` is set
     optional: bool  # also accepts None
     default: Any
     help: str
     rules: Rules
-    container: type | None = None  # list or tuple (of `type`), or None for a single value
+    container: builtins.type | None = None  # list or tuple (of `type`), or None for a single value
 
 
 def settings(config_cls: type) -> list[Setting]:
