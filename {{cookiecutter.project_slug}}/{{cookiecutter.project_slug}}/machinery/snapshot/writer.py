@@ -100,8 +100,10 @@ class Snapshots(SnapshotFolder):
         rank_state: dict,
         blocking: bool = False,
         sharded_state: dict | None = None,
+        frozen_in: int | None = None,
     ) -> None:
-        """Start writing a snapshot of `step` in the background.
+        """Start writing a snapshot of `step` in the background. `frozen_in`: the step whose snapshot holds the
+        model's frozen parameters (this one's, or an older one's when `shared` leaves them out; see frozen.py).
 
         `shared` (rank 0's model, optimizer, ...) may hold live tensors: they are copied off the training path
         by the writer thread, and the caller must call wait_until_copied() before anything changes them in place
@@ -119,7 +121,7 @@ class Snapshots(SnapshotFolder):
         self._copied.clear()
         self._thread = threading.Thread(
             target=self._write,
-            args=(step, shared, rank_state, device_copies, shards, layouts),
+            args=(step, shared, rank_state, device_copies, shards, layouts, frozen_in),
             name=f"snapshot-{step}",
             daemon=True,
         )
@@ -178,13 +180,17 @@ class Snapshots(SnapshotFolder):
                 reason = str(error)
             raise SnapshotError(f"saving a snapshot failed: {reason}") from error
 
-    def _write(self, step, shared, rank_state, device_copies, shards=None, layouts=None):
+    def _write(self, step, shared, rank_state, device_copies, shards=None, layouts=None, frozen_in=None):
         try:
             try:
-                staged = device_copies.staged
-                shared = copy_to_cpu(shared, self._staging, ("shared",), staged) if shared is not None else None
-                rank_state = copy_to_cpu(rank_state, self._staging, ("rank",), staged)
-                shards = copy_to_cpu(shards, self._staging, ("sharded",), staged) if shards is not None else None
+                staged, used = device_copies.staged, set()
+                shared = copy_to_cpu(shared, self._staging, ("shared",), staged, used) if shared is not None else None
+                rank_state = copy_to_cpu(rank_state, self._staging, ("rank",), staged, used)
+                shards = copy_to_cpu(shards, self._staging, ("sharded",), staged, used) if shards is not None else None
+                # A buffer this save did not use (the frozen parameters after the snapshot that holds them) goes.
+                for buffers, kept in ((self._staging, used), (self._pinned, staged)):
+                    for place in [place for place in buffers if place not in kept]:
+                        del buffers[place]
             finally:
                 self._copied.set()
             device_copies.wait()
@@ -201,12 +207,12 @@ class Snapshots(SnapshotFolder):
                 files.update(self._write_shards(folder, join_dtensors(shards, layouts)))
             write_json_atomic(os.path.join(folder, receipt_file(rank)), {"rank": rank, "files": files})
             if self.env.is_main:
-                self.commit(folder, step)
+                self.commit(folder, step, frozen_in)
         except BaseException as exc:  # handed to the training thread by wait() or wait_until_copied()
             self._error = exc
             self._copied.set()
 
-    def commit(self, folder, step):
+    def commit(self, folder, step, frozen_in=None):
         """Rank 0, on the writer thread: write the manifest once every rank's receipt is in, then prune old
         snapshots."""
         files = {}
@@ -238,6 +244,8 @@ class Snapshots(SnapshotFolder):
             "created": time.time(),
             "job": self.job,
         }
+        if frozen_in is not None:
+            manifest["frozen_in"] = frozen_in
         manifest["manifest_sha256"] = manifest_digest(manifest)
         problem = manifest_problem(manifest, step)
         if problem:  # never commit what a reader would reject
