@@ -78,7 +78,7 @@ def save_pretrained(model: nn.Module, weights: dict[str, Any], folder: str) -> N
     A model whose save_pretrained fails is said in one warning: model.pt holds its weights anyway."""
     partial, old = f"{folder}.tmp-{os.getpid()}", f"{folder}.old-{os.getpid()}"
     try:
-        model.save_pretrained(partial, state_dict=dict(weights))  # transformers empties the dict it is given
+        cast(Any, model).save_pretrained(partial, state_dict=dict(weights))  # transformers empties the dict given
     except Exception as exc:  # noqa: BLE001 - the user's model's own method; the run's weights are exported already
         shutil.rmtree(partial, ignore_errors=True)
         log.warning(

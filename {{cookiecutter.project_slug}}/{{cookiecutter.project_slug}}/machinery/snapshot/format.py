@@ -292,7 +292,9 @@ def load_step(step_path, ranks, shards=(0, 1)):
                 state["frozen_filled"] = [key for key in frozen if key not in state["model"]]
                 state["model"] = {**{key: frozen[key] for key in state["frozen_filled"]}, **state["model"]}
         except SnapshotError as exc:
-            raise SnapshotError(f"its frozen parameters are in {holder}, which is unusable: {exc}") from exc
+            raise SnapshotError(
+                f"{step_path}: its frozen parameters are in {step_name(state['frozen_in'])}, which is unusable: {exc}"
+            ) from exc
     return state
 
 
