@@ -1,6 +1,7 @@
 """The Hugging Face recipes of docs/recipes.md with the real libraries: a `transformers` GPT-2 built from a config
 (dropout on, its output layer tied to the token embedding) on a `datasets.Dataset`, and on a `datasets` stream shuffled
-and split per rank with `split_dataset_by_node`, under ddp and under `--strategy fsdp` without `shard_units`.
+and split per rank with `split_dataset_by_node`, under ddp and under `--strategy fsdp` without `shard_units`; and the
+same GPT-2 with `peft` LoRA adapters, its base frozen.
 
 The template tests copy this file, as tests/test_hf_recipes.py (its name here keeps the template's own pytest from
 collecting it outside a bake), into a bake and run it there. Each test trains the recipe as docs/recipes.md writes it,
@@ -28,6 +29,7 @@ from test_recipes import RECIPES
 
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
+from transformers import AutoModelForCausalLM
 
 STEPS, BATCH, RANKS = 40, 4, 2
 ARGS = EXACT + ["--max-steps", str(STEPS), "--batch-size", str(BATCH), "--eval-every", "20", "--lr", "1e-3"]
@@ -70,6 +72,27 @@ def compute_loss(model, batch):
 """
 
 
+# Appended to the LoRA recipe's model.py: right after optimizer step 15, something writes to a frozen parameter. The
+# optimizer's step count (restored on resume) says when, so a resumed run writes it at the same step.
+EDIT_FROZEN = """
+
+
+def extra_state(cfg, model, optimizer):
+    import torch
+
+    frozen = model.get_base_model().transformer.h[0].attn.c_attn.base_layer.weight
+
+    def edit(optimizer, args, kwargs):
+        if {int(state["step"]) for state in optimizer.state.values()} == {15}:
+            with torch.no_grad():
+                frozen.mul_(1.5)
+
+    optimizer.register_step_post_hook(edit)
+    return {}
+"""
+EDITED = "base_model.model.transformer.h.0.attn.c_attn.base_layer.weight"
+
+
 @pytest.fixture
 def recipe(tmp_path, monkeypatch):
     """A copy of this project with a recipe's model.py and data.py, which the runs of the test train: a function
@@ -99,6 +122,29 @@ def check_export_loads_strictly_with_tied_weights(model_module, export_dir, refe
     model.load_state_dict(weights, strict=True)
     assert model.lm_head.weight is model.transformer.wte.weight  # still one tensor
     assert_same_weights(model.state_dict(), reference)
+    return weights
+
+
+def check_hf_folder_loads_as_model_pt(export_dir, weights):
+    """export/hf is a transformers folder that from_pretrained loads to model.pt's tensors, weights still tied."""
+    loaded = AutoModelForCausalLM.from_pretrained(export_dir / "hf")
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    assert_same_weights(loaded.state_dict(), weights)
+
+
+def check_adapter_folder_loads_as_model_pt(model_module, export_dir, weights):
+    """export/hf is a peft adapter folder: PeftModel.from_pretrained on the base (model.pt's base weights, as a
+    user's base from the hub) gives model.pt's tensors."""
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_config(model_module.build_model(None, None).get_base_model().config)
+    base_weights = {
+        key.removeprefix("base_model.model.").replace(".base_layer.", "."): value
+        for key, value in weights.items()
+        if ".lora_" not in key
+    }
+    base.load_state_dict(base_weights, strict=True)
+    assert_same_weights(PeftModel.from_pretrained(base, export_dir / "hf").state_dict(), weights)
 
 
 def rows_per_process(tmp_path, rank):
@@ -109,22 +155,24 @@ def rows_per_process(tmp_path, rank):
     return list(processes.values())
 
 
-def killed_run_ends_as_the_uninterrupted_one(tmp_path, model_module, strategy):
+def killed_run_ends_as_the_uninterrupted_one(tmp_path, model_module, strategy, args=()):
     """The recipe trained uninterrupted and SIGKILLed (restarted by torchrun): bitwise the same weights, an export
-    that loads strictly with its weights still tied; returns the restarted run's summary."""
-    resumed = sigkill_at_random_and_resume(tmp_path, RANKS, ARGS + ["--strategy", strategy], kill_after=KILL_AFTER)
+    that loads strictly with its weights still tied; returns (the restarted run's summary, model.pt's weights)."""
+    args = ARGS + ["--strategy", strategy, *args]
+    resumed = sigkill_at_random_and_resume(tmp_path, RANKS, args, kill_after=KILL_AFTER)
     assert resumed["steps"] == STEPS and resumed["resumed_from"] >= 10, resumed
     reference = final_model(tmp_path / "reference-snapshots")["model"]
     assert_same_weights(reference, final_model(tmp_path / "run-snapshots")["model"])
-    check_export_loads_strictly_with_tied_weights(model_module, tmp_path / "run-export", reference)
-    return resumed
+    weights = check_export_loads_strictly_with_tied_weights(model_module, tmp_path / "run-export", reference)
+    return resumed, weights
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_dataset_resumes_bitwise_and_its_export_loads_with_tied_weights(tmp_path, recipe, strategy):
     model_module, _ = recipe("hf")
-    killed_run_ends_as_the_uninterrupted_one(tmp_path, model_module, strategy)
+    _, weights = killed_run_ends_as_the_uninterrupted_one(tmp_path, model_module, strategy)
+    check_hf_folder_loads_as_model_pt(tmp_path / "run-export", weights)
 
 
 @pytest.mark.slow
@@ -133,7 +181,7 @@ def test_a_split_stream_trains_every_item_of_each_split_once_in_order_and_resume
     tmp_path, recipe, monkeypatch, strategy
 ):
     model_module, data_module = recipe("hf-stream")
-    resumed = killed_run_ends_as_the_uninterrupted_one(tmp_path, model_module, strategy)
+    resumed, _ = killed_run_ends_as_the_uninterrupted_one(tmp_path, model_module, strategy)
     for rank in range(RANKS):
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("WORLD_SIZE", str(RANKS))
@@ -165,3 +213,46 @@ def test_a_pretrained_model_starts_from_its_weights_and_a_resume_from_its_snapsh
     # the uninterrupted run and the killed one start from the weights; the restart from its snapshot
     assert len(firsts) == 3 and len(from_weights) == 2, len(firsts)
     assert (tmp_path / "data-cache").is_dir()
+
+
+def snapshot_contents(folder):
+    """{step: (the step whose snapshot holds the frozen parameters, bytes on disk, the model's keys it holds)}."""
+    sharded_keys = importlib.import_module(f"{PACKAGE}.machinery.snapshot").sharded_keys
+    found = {}
+    for step_folder in sorted(folder.glob("step-*")):
+        manifest = json.loads((step_folder / "manifest.json").read_text())
+        if (step_folder / "sharded").is_dir():
+            keys = set(sharded_keys(str(step_folder / "sharded")))
+        else:
+            keys = set(torch.load(step_folder / "shared.pt", weights_only=True)["model"])
+        size = sum(entry["size"] for entry in manifest["files"].values())
+        found[manifest["step"]] = (manifest.get("frozen_in"), size, keys)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_lora_snapshots_write_the_frozen_base_once_resume_bitwise_and_export_an_adapter_folder(
+    tmp_path, recipe, strategy
+):
+    pytest.importorskip("peft")
+    model_module, _ = recipe("lora", extra=EDIT_FROZEN)
+    killed_run_ends_as_the_uninterrupted_one(tmp_path, model_module, strategy, ["--keep-snapshots", "2"])
+    weights = torch.load(tmp_path / "run-export" / "model.pt", weights_only=True)
+    check_adapter_folder_loads_as_model_pt(model_module, tmp_path / "run-export", weights)
+
+    model = model_module.build_model(None, None)
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    base_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    assert frozen and EDITED in frozen
+    for run in ("reference", "run"):
+        snapshots = snapshot_contents(tmp_path / f"{run}-snapshots")
+        # Step 10 held the base; step 20 holds it again (a frozen parameter changed at step 15) and, no kept
+        # snapshot referring to step 10 any more, that one is pruned, while step 20 is kept for the newest two.
+        assert {step: held_in for step, (held_in, _, _) in snapshots.items()} == {20: 20, 30: 20, 40: 20}, run
+        assert frozen <= snapshots[20][2]
+        for step in (30, 40):
+            assert not frozen & snapshots[step][2]  # the adapters, their optimizer state and the progress only
+            assert snapshots[20][1] - snapshots[step][1] >= base_bytes
+    said = [line for line in (tmp_path / "reference.log").read_text().splitlines() if " WARNING " in line]
+    assert any(EDITED in line for line in said), said  # the change is said, naming the parameter

@@ -1,6 +1,7 @@
 """The recipes of docs/recipes.md for your own model and data (a nanoGPT-style LM, a pretrained Hugging Face model
-fine-tuned, a Hugging Face causal LM on a Dataset and on a stream split per rank, a stream, optimizer groups with a
-schedule of your own, an EMA and a second optimizer) train and evaluate as written, in a copy of this project.
+fine-tuned, a Hugging Face causal LM on a Dataset and on a stream split per rank, LoRA adapters with peft, a stream,
+optimizer groups with a schedule of your own, an EMA and a second optimizer) train and evaluate as written, in a copy
+of this project.
 
 A recipe is the ```python blocks marked `<!-- recipe NAME: FILE -->` in README.md and docs/*.md (today all in
 docs/recipes.md); `(with OTHER: FILE, ...)` in the mark takes those files of recipe OTHER first and adds this block
@@ -34,7 +35,7 @@ RECIPES = recipes()
 
 
 def test_the_docs_have_the_seven_recipes():
-    assert set(RECIPES) == {"nanogpt", "hf-pretrained", "hf", "hf-stream", "stream", "nanogpt-optim", "ema"}
+    assert set(RECIPES) == {"nanogpt", "hf-pretrained", "hf", "hf-stream", "lora", "stream", "nanogpt-optim", "ema"}
     assert all(set(files) == {"model.py", "data.py"} for files in RECIPES.values())
 
 
@@ -43,6 +44,8 @@ def test_a_recipe_trains_and_evaluates(tmp_path, name):
     if "transformers" in "".join(RECIPES[name].values()):
         pytest.importorskip("transformers", reason="the Hugging Face recipes need pip install -e '.[dev]'")
         pytest.importorskip("datasets", reason="the Hugging Face recipes need pip install -e '.[dev]'")
+    if "peft" in "".join(RECIPES[name].values()):
+        pytest.importorskip("peft", reason="the LoRA recipe needs pip install -e '.[dev]'")
     workspace = tmp_path / "project"
     shutil.copytree(ROOT / PACKAGE, workspace / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "train.py", workspace / "train.py")

@@ -495,3 +495,73 @@ def test_an_extra_part_is_saved_as_it_was_at_the_snapshot_step(tmp_path):
     snapshots.close()
     saved = load_latest(str(tmp_path))["statistic"]
     assert float(saved["count"]) == 5 and saved["history"] == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+# Frozen parameters (requires_grad=False) written once: the snapshots that leave them out, and their checksums.
+
+
+def save_adapter_run(folder, saves, keep):
+    """Saves of a model whose "base" is frozen: (step, frozen_in) each; a save whose own step is its frozen_in holds
+    the base (as it is at that step), the others only the "adapter". Returns {step: (base, adapter)} as saved."""
+    snapshots = Snapshots(folder, DistEnv(), keep=keep)
+    snapshots.prepare(estimated_bytes=1)
+    saved = {}
+    for step, frozen_in in saves:
+        base, adapter = torch.arange(8.0) + frozen_in, torch.full((2,), float(step))
+        model = {"base": base, "adapter": adapter} if frozen_in == step else {"adapter": adapter}
+        snapshots.save(step, {"model": model, "step": step}, {}, blocking=True, frozen_in=frozen_in)
+        saved[step] = base, adapter
+    snapshots.close()
+    return saved
+
+
+def test_snapshots_without_the_frozen_parameters_load_them_from_the_one_that_holds_them_and_keep_it(tmp_path):
+    saved = save_adapter_run(tmp_path, [(10, 10), (20, 10), (30, 10), (40, 10)], keep=2)
+    # 20 goes; 10 stays as long as a kept snapshot refers to it
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == [step_name(10), step_name(30), step_name(40)]
+    assert (tmp_path / step_name(40) / SHARED).stat().st_size < (tmp_path / step_name(10) / SHARED).stat().st_size
+    base, adapter = saved[40]
+    for state in (load_latest(str(tmp_path)), resume(tmp_path)):
+        assert state["step"] == 40 and state["model"].keys() == {"base", "adapter"}
+        assert torch.equal(state["model"]["base"], base) and torch.equal(state["model"]["adapter"], adapter)
+    # Once the newest ones hold the base themselves (it changed), the old holder goes.
+    save_adapter_run(tmp_path, [(50, 50), (60, 50)], keep=2)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == [step_name(50), step_name(60)]
+    assert torch.equal(load_latest(str(tmp_path))["model"]["base"], torch.arange(8.0) + 50)
+
+
+def test_a_damaged_holder_of_the_frozen_parameters_makes_the_snapshots_that_refer_to_it_unusable(tmp_path):
+    save_adapter_run(tmp_path, [(10, 10), (20, 10)], keep=3)
+    flip_one_bit(tmp_path / step_name(10) / SHARED)
+    with pytest.raises(SnapshotError, match=f"{step_name(20)}.*frozen parameters are in .*{step_name(10)}"):
+        load_latest(str(tmp_path))
+
+
+def test_a_frozen_parameter_that_changed_is_said_and_its_next_snapshot_holds_it_again(caplog):
+    from {{ cookiecutter.project_slug }}.machinery.frozen import FrozenWeights
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    frozen = FrozenWeights(model, DistEnv(), sharded=False)
+    assert frozen.names == {"0.weight", "0.bias"}
+    assert frozen.held_by(10) == 10  # the first save holds them
+    with torch.no_grad():
+        model[1].weight.add_(1.0)  # training changes what trains
+    assert frozen.held_by(20) == 10 and not caplog.records
+    with torch.no_grad():
+        model[0].weight[[0, 1]] = model[0].weight[[1, 0]].clone()  # the same values, two rows swapped
+    assert frozen.held_by(30) == 30
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "0.weight" in warning and "0.bias" not in warning
+    assert frozen.held_by(40) == 30
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int8, torch.bool])
+def test_the_frozen_checksum_sees_one_changed_element_of_any_dtype(dtype):
+    from {{ cookiecutter.project_slug }}.machinery.frozen import checksum
+
+    tensor = (torch.arange(1000) % 7).to(dtype)
+    changed = tensor.clone()
+    changed[497] = 1  # 497 % 7 == 0
+    assert checksum(tensor) == checksum(tensor.clone())
+    assert checksum(changed) != checksum(tensor)

@@ -46,7 +46,7 @@ from . import debug, distributed
 from .batches import Progress, to_device
 from .distributed import DistEnv
 from .settings import RunError, flag, step_range
-from .snapshot import RUN_FILE, list_steps, step_name
+from .snapshot import RUN_FILE, SnapshotError, list_steps, read_manifest, step_name
 
 log = logging.getLogger(__name__)
 INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a tensor's bits, per element
@@ -80,7 +80,8 @@ def replay_settings(cfg: Any, env: DistEnv) -> Any:
     scratch = f"{original}.replay-{step}"
     if env.is_main:
         shutil.rmtree(scratch, ignore_errors=True)
-        shutil.copytree(os.path.join(original, step_name(step)), os.path.join(scratch, step_name(step)))
+        for copied in _snapshot_and_its_frozen(original, step):
+            shutil.copytree(os.path.join(original, step_name(copied)), os.path.join(scratch, step_name(copied)))
         if os.path.exists(os.path.join(original, RUN_FILE)):
             shutil.copy2(os.path.join(original, RUN_FILE), scratch)
     distributed.barrier(env)  # the copy is complete before any rank looks for a snapshot in it
@@ -112,6 +113,15 @@ def replay_log(cfg: Any) -> Any:
         return cfg
     stem, extension = os.path.splitext(cfg.log_file)
     return dataclasses.replace(cfg, log_file=f"{stem}.replay-{cfg.resume_from}{extension}")
+
+
+def _snapshot_and_its_frozen(folder: str, step: int) -> list[int]:
+    """The step, and the older one whose snapshot holds its frozen parameters, if another does (frozen.py)."""
+    try:
+        held_in = read_manifest(os.path.join(folder, step_name(step))).get("frozen_in", step)
+    except SnapshotError:
+        return [step]  # the replay's resume says what is wrong with it
+    return sorted({step, held_in})
 
 
 def _original_metrics_file(snapshot_dir: str) -> str | None:

@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from tqdm import tqdm
 
 log = logging.getLogger(__name__)
+FINAL = "model.pt"  # the final weights; with them, a model that has save_pretrained also gets its own folder:
+HF_FOLDER = "hf"  # <export-dir>/hf, loadable with the library's from_pretrained
 
 
 @dataclass
@@ -52,7 +55,8 @@ class Summary:
 
 def export(model: nn.Module, sharded: bool, env: DistEnv, export_dir: str, name: str) -> None:
     """Rank 0 writes the model's weights as a plain state dict to <export-dir>/<name>, atomically (under fsdp every
-    rank takes part in gathering them: the same file, loadable into a plain build_model(...))."""
+    rank takes part in gathering them: the same file, loadable into a plain build_model(...)). With the final
+    weights, a model that has `save_pretrained` (transformers, peft) also gets <export-dir>/hf."""
     state: dict[str, Any] = {}
     if sharded:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -64,6 +68,32 @@ def export(model: nn.Module, sharded: bool, env: DistEnv, export_dir: str, name:
     os.makedirs(export_dir, exist_ok=True)
     weights = {key: value.detach().to("cpu", copy=True) for key, value in state.items()}
     write_atomic(os.path.join(export_dir, name), lambda handle: torch.save(weights, handle))
+    if name == FINAL and callable(getattr(model, "save_pretrained", None)):
+        save_pretrained(model, weights, os.path.join(export_dir, HF_FOLDER))
+
+
+def save_pretrained(model: nn.Module, weights: dict[str, Any], folder: str) -> None:
+    """The library's own folder, written by its `save_pretrained` from `weights` (transformers: config.json and
+    model.safetensors; peft: the adapter's config and weights only), into a temporary folder renamed into place.
+    A model whose save_pretrained fails is said in one warning: model.pt holds its weights anyway."""
+    partial, old = f"{folder}.tmp-{os.getpid()}", f"{folder}.old-{os.getpid()}"
+    try:
+        cast(Any, model).save_pretrained(partial, state_dict=dict(weights))  # transformers empties the dict given
+    except Exception as exc:  # noqa: BLE001 - the user's model's own method; the run's weights are exported already
+        shutil.rmtree(partial, ignore_errors=True)
+        log.warning(
+            "%s.save_pretrained failed (%s: %s): %s is not written; %s holds the final weights",
+            type(model).__name__,
+            type(exc).__name__,
+            str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "",
+            folder,
+            os.path.join(os.path.dirname(folder), FINAL),
+        )
+        return
+    if os.path.lexists(folder):
+        os.replace(folder, old)
+    os.replace(partial, folder)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def write_summary(summary: Summary, export_dir: str) -> None:

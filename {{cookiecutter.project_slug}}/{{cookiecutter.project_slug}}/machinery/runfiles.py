@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}\Z")  # what wandb accepts as a run id
 OWNER_FILE = "run.json"  # in the export folder: {"run_id": ...} of the run whose files it holds
-EXPORT_FILES = ("model.pt", "best.pt", "summary.json")  # what a run writes to its export folder
+EXPORT_FILES = ("model.pt", "best.pt", "summary.json", "hf")  # what a run writes to its export folder
 OWN_FILE_WAIT_S = 15.0  # how long a run waits for a file its own previous attempt holds (a process still exiting)
 
 # (setting, what it names, whether '' turns it off)

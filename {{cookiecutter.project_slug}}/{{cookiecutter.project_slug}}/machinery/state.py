@@ -7,7 +7,8 @@
 Saving and restoring loop over the parts, in the order they were added: the model before the optimizer (which
 holds its parameters), the optimizer before the scheduler (which sets its learning rate). ddp and fsdp differ only
 in how the model and the optimizer turn into tensors: under fsdp they are each rank's shards, written with
-torch.distributed.checkpoint (see snapshot/). The random streams are restored by the trainer itself, last, right
+torch.distributed.checkpoint (see snapshot/). Frozen parameters (requires_grad=False) are written once, not in every
+snapshot (frozen.py). The random streams are restored by the trainer itself, last, right
 before the first step (`TrainState.restore` hands them back), so that nothing in between draws from them.
 
 To snapshot something of your own (an EMA copy of the weights), return it from `extra_state(cfg, model, optimizer)`
@@ -32,15 +33,23 @@ from torch.distributed.tensor import DTensor
 from . import distributed
 from .batches import Progress
 from .distributed import DistEnv
+from .frozen import FrozenWeights
 from .optim import STARTED_WITH, optimizers_of, reapply_hyperparameters
 from .settings import RunError, flag
-from .snapshot import capture_rng
+from .snapshot import capture_rng, sharded_keys
 from .snapshot.staging import copied
 
 META = ("step", "config", "run_id", "torch_version")  # what shared.pt holds beside the parts
 # Every name a snapshot holds at its top level (load_latest's answer): the trainer's parts, and beside them META and
 # what reading a snapshot adds. None of them can name a part of model.py's extra_state.
-BESIDE_PARTS = (*META, "rank_state", "rank_states", "world_size", "sharded_dir")
+BESIDE_PARTS = (
+    *META,
+    "rank_state",
+    "rank_states",
+    "world_size",
+    "sharded_dir",
+    *("frozen_in", "frozen_dir", "frozen_filled"),
+)
 RESERVED = ("model", "optimizer", "scheduler", "scaler", "progress", "rng", "data", *BESIDE_PARTS)
 
 
@@ -101,6 +110,7 @@ class TrainState:
         self.shared: dict[str, Stateful] = {}
         self.rank: dict[str, Stateful] = {}
         self.extra: list[str] = []  # model.py's extra_state parts, among the shared ones
+        self._frozen: FrozenWeights | None = None
 
     def has(self, name: str) -> bool:
         return name in self.shared or name in self.rank or name in BESIDE_PARTS
@@ -115,9 +125,17 @@ class TrainState:
     def _sharded_parts(self) -> list[str]:
         return ["model", "optimizer", *self.extra] if self.sharded else []
 
-    def capture(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
+    @property
+    def frozen(self) -> FrozenWeights:
+        if self._frozen is None:
+            self._frozen = FrozenWeights(self._model(), self.env, self.sharded)
+        return self._frozen
+
+    def capture(self, without_frozen: bool = False) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
         """(shared parts, this rank's parts, sharded parts or None), the tensors still live: the snapshot writer
-        copies them off the training thread before the next optimizer step."""
+        copies them off the training thread before the next optimizer step. `without_frozen`: the model's frozen
+        parameters are left out (an older snapshot holds them, see frozen.py)."""
+        left_out = self.frozen.names if without_frozen else set()
         sharded_state = None
         if self.sharded:
             # DCP keeps one copy of each buffer (BatchNorm statistics): make it rank 0's, as under ddp. The next
@@ -128,9 +146,12 @@ class TrainState:
             for name, buffer in model.named_buffers():
                 if name in model_state:
                     model_state[name] = buffer.detach().clone()
+            model_state = {key: value for key, value in model_state.items() if key not in left_out}
             sharded_state = {"model": model_state, "optimizer": optimizer_state}
             sharded_state.update({name: copied(self.shared[name].state_dict()) for name in self.extra})
         shared = {name: self._unsharded_state(name, part) for name, part in self.shared.items()}
+        if left_out and "model" in shared:
+            shared["model"] = {key: value for key, value in shared["model"].items() if key not in left_out}
         return shared, {name: part.state_dict() for name, part in self.rank.items()}, sharded_state
 
     def _unsharded_state(self, name: str, part: Stateful) -> dict[str, Any]:
@@ -158,9 +179,10 @@ class TrainState:
                     f"resume without it, or start from scratch with {flag('resume')} never (what the folder holds "
                     "is moved aside)"
                 )
+        filled: set[str] = set(resumed.get("frozen_filled", ()))  # the model's entries the older snapshot gave
         try:
             if self.sharded:
-                self._load_shards(resumed, folder)
+                filled = self._load_shards(resumed, folder)
             for name, part in self.shared.items():
                 if name in self._sharded_parts():
                     continue
@@ -177,6 +199,8 @@ class TrainState:
                 f"optimizer. Start from scratch with {flag('resume')} never (what the folder holds is moved aside), "
                 f"or pass another {flag('snapshot_dir')}"
             ) from None
+        step, held_in = resumed["step"], resumed.get("frozen_in", resumed["step"])
+        self.frozen.loaded(step if held_in == step else held_in if self.frozen.names <= filled else None)
         rank_state = resumed.get("rank_state")
         if rank_state is None:  # another world size: no state of this rank's
             return None
@@ -185,23 +209,31 @@ class TrainState:
                 part.load_state_dict(rank_state[name])
         return rank_state["rng"]
 
-    def _load_shards(self, resumed: dict[str, Any], folder: str) -> None:
+    def _load_shards(self, resumed: dict[str, Any], folder: str) -> set[str]:
         """The model's and optimizer's shards (resharded by torch.distributed.checkpoint when the number of ranks
-        changed), with the optimizer's hyperparameters as OptimizerPart restores them."""
+        changed), with the optimizer's hyperparameters as OptimizerPart restores them; the model's entries this
+        snapshot left to an older one (its frozen_dir) from there. Returns the names of those."""
         model, optimizer = self._model(), self._optimizer()
         started = resumed.get("optimizer", {})
         self.shared["optimizer"].check(started)  # type: ignore[attr-defined]
         current = self.shared["optimizer"].started["param_groups"]  # type: ignore[attr-defined]
         model_state, optimizer_state = get_state_dict(model, optimizers_of(optimizer))
-        state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
-        state.update({name: self.shared[name].state_dict() for name in self.extra})
-        dcp.load(state, checkpoint_id=resumed["sharded_dir"])
+        shards, frozen_folder = resumed["sharded_dir"], resumed.get("frozen_dir", "")
+        held = set(sharded_keys(shards, "model")) if frozen_folder else set(model_state)
+        elsewhere = {key: value for key, value in model_state.items() if key not in held}
+        state: dict[str, Any] = {"model": {k: v for k, v in model_state.items() if k in held}}
+        state.update(optimizer=optimizer_state, **{name: self.shared[name].state_dict() for name in self.extra})
+        dcp.load(state, checkpoint_id=shards)
+        if elsewhere:
+            dcp.load({"model": elsewhere}, checkpoint_id=frozen_folder)
+            state["model"].update(elsewhere)
         set_state_dict(
             model, optimizers_of(optimizer), model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )
         reapply_hyperparameters(optimizer, current, started.get(STARTED_WITH, {}).get("param_groups"))
         for name in self.extra:
             self._load_extra(name, state[name], folder)
+        return set(elsewhere)
 
     def _load_extra(self, name: str, state: Any, folder: str) -> None:
         """One part of model.py's extra_state: an error of its own load_state_dict is told as that part's."""
@@ -254,9 +286,10 @@ def checked_parts(parts: Any) -> dict[str, Stateful]:
 
 
 def estimated_bytes(model: nn.Module) -> int:
-    """Room one snapshot needs, checked before the first save: the weights, and as much again twice for an
-    optimizer's state (Adam's two moments). The summary reports the size measured on disk."""
-    return 3 * sum(p.numel() * p.element_size() for p in model.parameters()) + 2**20
+    """Room the first snapshot needs, checked before it is written: the weights, and as much again twice for the
+    optimizer's state of those that train (Adam's two moments). The summary reports the size measured on disk."""
+    sizes = [(p.numel() * p.element_size(), p.requires_grad) for p in model.parameters()]
+    return sum(size * (3 if trains else 1) for size, trains in sizes) + 2**20
 
 
 def _misfit(expected: dict, found: dict) -> str:

@@ -203,15 +203,19 @@ class Trainer:
                 f"were): no snapshot is saved from them. Lower {flag('lr')} or check the optimizer's settings; "
                 f"{nonfinite.rerun_advice(self)}"
             )
-        shared, rank_state, sharded_state = self.state.capture()
+        step = self.progress.step
+        frozen_in = self.state.frozen.held_by(step)  # an older snapshot may hold the frozen parameters (frozen.py)
+        shared, rank_state, sharded_state = self.state.capture(without_frozen=frozen_in not in (None, step))
         shared.update(
             step=self.progress.step,
             config=self.cfg.to_dict(),
             run_id=self.run_id,
             torch_version=str(torch.__version__),
         )
-        self.snapshots.save(self.progress.step, shared, rank_state, blocking=blocking, sharded_state=sharded_state)
-        self.last_saved = self.progress.step
+        self.snapshots.save(
+            step, shared, rank_state, blocking=blocking, sharded_state=sharded_state, frozen_in=frozen_in
+        )
+        self.last_saved = step
 
     def export(self, name: str) -> None:
         export(self.model, self.sharded, self.env, self.exports.directory, name)

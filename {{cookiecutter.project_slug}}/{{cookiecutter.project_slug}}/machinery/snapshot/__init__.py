@@ -12,7 +12,9 @@ Layout of the snapshot folder (one job per folder; on several machines it must b
         rank-00000.json        that rank's receipt: size and sha256 of what it wrote, the number of ranks, the job
         sharded/               --strategy fsdp only: model and optimizer, each rank's shards written by
                                torch.distributed.checkpoint (__<rank>_0.distcp; rank 0 adds .metadata)
-        manifest.json          the commit marker, written last by rank 0 once every receipt is in
+        manifest.json          the commit marker, written last by rank 0 once every receipt is in; "frozen_in"
+                               names the step whose snapshot holds the model's frozen parameters, when another
+                               one does (they are written once, not in every snapshot: see frozen.py)
 
 Every file is written to a temporary name in the same folder, fsynced and renamed into place. A step
 folder without manifest.json is an interrupted save: it is never loaded. The next start commits it when every
@@ -43,6 +45,7 @@ from .format import (
     manifest_digest,
     rank_file,
     read_manifest,
+    sharded_keys,
     step_name,
     write_atomic,
     write_json_atomic,
@@ -64,6 +67,7 @@ __all__ = [
     "rank_file",
     "read_manifest",
     "restore_rng",
+    "sharded_keys",
     "step_name",
     "write_atomic",
     "write_json_atomic",

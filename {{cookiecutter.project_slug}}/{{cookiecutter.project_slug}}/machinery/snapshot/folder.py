@@ -292,8 +292,17 @@ class SnapshotFolder:
             self.job_lock = None
 
     def _prune(self):
+        """Keep the newest `keep` snapshots, and those whose frozen parameters a kept one refers to (frozen.py)."""
         committed, _ = list_steps(self.directory)
-        for step in committed[self.keep :]:
+        needed = set(committed[: self.keep])
+        for step in committed[: self.keep]:
+            try:
+                needed.add(read_manifest(self.step_folder(step)).get("frozen_in", step))
+            except SnapshotError:
+                continue  # an unreadable snapshot is never loaded: what it refers to is not needed for it
+        for step in committed:
+            if step in needed:
+                continue
             folder = self.step_folder(step)
             os.remove(os.path.join(folder, MANIFEST))  # uncommit first: a half-removed folder is never loaded
             shutil.rmtree(folder, ignore_errors=True)

@@ -172,6 +172,8 @@ def manifest_problem(manifest, step):
             return f"files[{name!r}] sha256 {shown(entry['sha256'])} is not 64 hex digits"
     if _sharded_files(manifest) and f"{SHARDED_DIR}/.metadata" not in files:
         return f"files lists shards but no {SHARDED_DIR}/.metadata"
+    if "frozen_in" in manifest and not _is_count(manifest["frozen_in"], 0, manifest["step"]):
+        return f"frozen_in {shown(manifest['frozen_in'])} is not a step from 0 to the snapshot's own"
     digest = manifest["manifest_sha256"]
     if not isinstance(digest, str) or not SHA256.match(digest):
         return f"manifest_sha256 {shown(digest)} is not 64 hex digits"
@@ -200,10 +202,11 @@ def read_receipt(folder: str, rank: int) -> dict:
     return receipt
 
 
-def new_manifest(folder: str, step: int, world_size: int, files: dict, job: str) -> dict:
-    """The manifest that commits a save of `world_size` ranks whose receipts list `files`; SnapshotError rather
-    than one a reader would reject."""
-    manifest = {
+def new_manifest(folder: str, step: int, world_size: int, files: dict, job: str, frozen_in: int | None = None) -> dict:
+    """The manifest that commits a save of `world_size` ranks whose receipts list `files` (and whose frozen
+    parameters are in the snapshot of step `frozen_in`, see frozen.py); SnapshotError rather than one a reader
+    would reject."""
+    manifest: dict[str, Any] = {
         "format": FORMAT,
         "step": step,
         "world_size": world_size,
@@ -211,6 +214,8 @@ def new_manifest(folder: str, step: int, world_size: int, files: dict, job: str)
         "created": time.time(),
         "job": job,
     }
+    if frozen_in is not None:
+        manifest["frozen_in"] = frozen_in
     manifest["manifest_sha256"] = manifest_digest(manifest)
     problem = manifest_problem(manifest, step)
     if problem:
@@ -231,7 +236,8 @@ def finished_save(folder: str, step: int) -> dict:
         files.update(first["files"] if rank == 0 else read_receipt(folder, rank)["files"])
     for name in files:
         check_file(folder, {"files": files}, name)
-    return new_manifest(folder, step, world_size, files, job)
+    frozen_in = first.get("frozen_in")
+    return new_manifest(folder, step, world_size, files, job, frozen_in if isinstance(frozen_in, int) else None)
 
 
 def read_manifest(step_path: str) -> dict:
@@ -304,22 +310,46 @@ def list_steps(directory: str) -> tuple[list[int], list[int]]:
     return sorted(committed, reverse=True), sorted(incomplete)
 
 
+def _check_shards(step_path, manifest, shards):
+    for index, name in enumerate(_sharded_files(manifest)):
+        if index % shards[1] == shards[0]:
+            check_file(step_path, manifest, name)
+
+
 def load_step(step_path, ranks, shards=(0, 1)):
     """The shared state of one snapshot, with `rank_states` for the given ranks; raises SnapshotError.
 
     A sharded snapshot's torch.distributed.checkpoint files are checked, not loaded (the trainer loads them, on
     every rank together): those whose index i in the sorted list has i % shards[1] == shards[0]. "sharded_dir"
     is their folder, or "" for a snapshot without shards.
+
+    A snapshot that leaves the model's frozen parameters to an older one ("frozen_in" in its manifest, see
+    frozen.py) is checked with that one's files: its "model" gets them from there ("frozen_filled" names them), or
+    for a sharded one "frozen_dir" is that one's shards.
     """
     manifest = read_manifest(step_path)
     state = load_checked(step_path, manifest, SHARED)
     state["rank_states"] = {rank: load_checked(step_path, manifest, rank_file(rank)) for rank in ranks}
     state["world_size"] = int(manifest["world_size"])
-    sharded = _sharded_files(manifest)
-    for index, name in enumerate(sharded):
-        if index % shards[1] == shards[0]:
-            check_file(step_path, manifest, name)
-    state["sharded_dir"] = os.path.join(step_path, SHARDED_DIR) if sharded else ""
+    _check_shards(step_path, manifest, shards)
+    state["sharded_dir"] = os.path.join(step_path, SHARDED_DIR) if _sharded_files(manifest) else ""
+    state["frozen_in"] = manifest.get("frozen_in", manifest["step"])
+    state["frozen_dir"], state["frozen_filled"] = "", []
+    if state["frozen_in"] != manifest["step"]:
+        holder = os.path.join(os.path.dirname(os.path.normpath(step_path)), step_name(state["frozen_in"]))
+        try:
+            held = read_manifest(holder)
+            if state["sharded_dir"]:
+                _check_shards(holder, held, shards)
+                state["frozen_dir"] = os.path.join(holder, SHARDED_DIR)
+            else:
+                frozen = load_checked(holder, held, SHARED)["model"]
+                state["frozen_filled"] = [key for key in frozen if key not in state["model"]]
+                state["model"] = {**{key: frozen[key] for key in state["frozen_filled"]}, **state["model"]}
+        except SnapshotError as exc:
+            raise SnapshotError(
+                f"{step_path}: its frozen parameters are in {step_name(state['frozen_in'])}, which is unusable: {exc}"
+            ) from exc
     return state
 
 
@@ -343,6 +373,10 @@ def load_latest(directory: str, rank: int | None = None) -> dict | None:
                 for name in sharded_parts(state["sharded_dir"]):
                     if name != "optimizer":  # its shards stay as they are: keyed by parameter, not a state_dict
                         state[name] = read_sharded_model(state["sharded_dir"], name)
+                if state["frozen_dir"]:
+                    frozen = read_sharded_model(state["frozen_dir"], "model")
+                    state["frozen_filled"] = [key for key in frozen if key not in state["model"]]
+                    state["model"] = {**{key: frozen[key] for key in state["frozen_filled"]}, **state["model"]}
         except SnapshotError as exc:
             log.warning("skipping snapshot %s: %s", step_path, exc)
             reasons.append(str(exc))
@@ -370,6 +404,21 @@ def sharded_parts(folder: str) -> list[str]:
     except Exception as exc:  # the checksums matched: written by something else
         raise SnapshotError(f"{folder}: unreadable metadata ({type(exc).__name__}: {exc})") from exc
     return sorted({key.split(".", 1)[0] for key in metadata.state_dict_metadata})
+
+
+def sharded_keys(folder: str, prefix: str = "model") -> list[str]:
+    """The keys of a part's state_dict (by default the model's) that a torch.distributed.checkpoint folder holds."""
+    try:
+        metadata = dcp.FileSystemReader(folder).read_metadata()
+    except Exception as exc:  # the checksums matched: written by something else
+        raise SnapshotError(f"{folder}: unreadable metadata ({type(exc).__name__}: {exc})") from exc
+    paths = metadata.planner_data or {}  # flat key "model.<fqn>" -> its path ("model", fqn)
+    keys = []
+    for flat_key in metadata.state_dict_metadata:
+        path = paths.get(flat_key) or tuple(flat_key.split(".", 1))
+        if path[0] == prefix and len(path) == 2:
+            keys.append(path[1])
+    return keys
 
 
 def read_sharded_model(folder: str, prefix: str = "model") -> dict[str, Any]:

@@ -27,7 +27,7 @@ def copied(obj: Any) -> Any:
     )
 
 
-def copy_to_cpu(obj, staging, path=(), staged=None):
+def copy_to_cpu(obj, staging, path=(), staged=None, used=None):
     """A deep copy with every tensor copied to CPU memory: what the writer thread serializes.
 
     Tensors are copied into the buffers of the previous save (`staging`, keyed by their place in `obj`):
@@ -35,7 +35,7 @@ def copy_to_cpu(obj, staging, path=(), staged=None):
     training thread waits for this copy at its next wait_until_copied(). The price: one copy of the state stays
     in memory.
     A tensor whose place is in `staged` (CUDA tensors, see DeviceCopies) is already on its way to the pinned
-    buffer named there.
+    buffer named there. `used` (a set), when given, collects the places of the staging buffers this copy used.
     """
 
     def copy_one(place, value):
@@ -43,6 +43,8 @@ def copy_to_cpu(obj, staging, path=(), staged=None):
             return copy.deepcopy(value)
         if staged and place in staged:
             return staged[place]
+        if used is not None:
+            used.add(place)
         buffer = staging.get(place)
         reusable = buffer is not None and value.layout == torch.strided
         if reusable and buffer.shape == value.shape and buffer.dtype == value.dtype:

@@ -98,8 +98,10 @@ class Snapshots(SnapshotFolder):
         rank_state: dict,
         blocking: bool = False,
         sharded_state: dict | None = None,
+        frozen_in: int | None = None,
     ) -> None:
-        """Start writing a snapshot of `step` in the background.
+        """Start writing a snapshot of `step` in the background. `frozen_in`: the step whose snapshot holds the
+        model's frozen parameters (this one's, or an older one's when `shared` leaves them out; see frozen.py).
 
         `shared` (rank 0's model, optimizer, ...) may hold live tensors: they are copied off the training path
         by the writer thread, and the caller must call wait_until_copied() before anything changes them in place
@@ -121,7 +123,7 @@ class Snapshots(SnapshotFolder):
         self._copied.clear()
         self._thread = threading.Thread(
             target=self._write,
-            args=(step, shared, own, device_copies, shards, layouts),
+            args=(step, shared, own, device_copies, shards, layouts, frozen_in),
             name=f"snapshot-{step}",
             daemon=True,
         )
@@ -199,17 +201,26 @@ class Snapshots(SnapshotFolder):
         self._write_receipt(folder, files)
         return None
 
-    def _write_receipt(self, folder: str, files: dict) -> None:
-        """This rank's receipt: its files, the number of ranks and the job (what a commit at the next start needs)."""
+    def _write_receipt(self, folder: str, files: dict, frozen_in: int | None = None) -> None:
+        """This rank's receipt: its files, the number of ranks and the job, and on rank 0 the step whose snapshot
+        holds the frozen parameters (what a commit at the next start needs)."""
         receipt = {"rank": self.env.rank, "files": files, "world_size": self.env.world_size, "job": self.job}
+        if frozen_in is not None:
+            receipt["frozen_in"] = frozen_in
         write_json_atomic(os.path.join(folder, receipt_file(self.env.rank)), receipt)
 
-    def _write(self, step, shared, own, device_copies, shards=None, layouts=None):
+    def _write(self, step, shared, own, device_copies, shards=None, layouts=None, frozen_in=None):
         try:
             try:
-                staged = device_copies.staged
-                shared = copy_to_cpu(shared, self._staging, ("shared",), staged) if shared is not None else None
-                shards = copy_to_cpu(shards, self._staging, ("sharded",), staged) if shards is not None else None
+                staged, used = device_copies.staged, set()
+                shared = copy_to_cpu(shared, self._staging, ("shared",), staged, used) if shared is not None else None
+                shards = copy_to_cpu(shards, self._staging, ("sharded",), staged, used) if shards is not None else None
+                # A buffer this save did not use (the frozen parameters after the snapshot that holds them) goes;
+                # this rank's own part was copied on the training thread, into buffers of its own.
+                used |= {place for place in self._staging if place[:1] == ("rank",)}
+                for buffers, kept in ((self._staging, used), (self._pinned, staged)):
+                    for place in [place for place in buffers if place not in kept]:
+                        del buffers[place]
             finally:
                 self._copied.set()
             device_copies.wait()
@@ -220,14 +231,14 @@ class Snapshots(SnapshotFolder):
                     files[SHARED] = write_atomic(os.path.join(folder, SHARED), lambda f: torch.save(shared, f))
                 if shards is not None:
                     files.update(self._write_shards(folder, join_dtensors(shards, layouts)))
-                self._write_receipt(folder, files)
+                self._write_receipt(folder, files, frozen_in)
             if self.env.is_main:
-                self.commit(folder, step)
+                self.commit(folder, step, frozen_in)
         except BaseException as exc:  # handed to the training thread by wait() or wait_until_copied()
             self._error = exc
             self._copied.set()
 
-    def commit(self, folder, step):
+    def commit(self, folder, step, frozen_in=None):
         """Rank 0, on the writer thread: write the manifest once every rank's receipt is in, then prune old
         snapshots."""
         files = {}
@@ -240,7 +251,8 @@ class Snapshots(SnapshotFolder):
                     "--snapshot-dir a folder every machine shares?"
                 )
             files.update(read_receipt(folder, rank)["files"])
-        manifest = new_manifest(folder, step, self.env.world_size, files, self.job)  # never one a reader rejects
+        # never one a reader rejects
+        manifest = new_manifest(folder, step, self.env.world_size, files, self.job, frozen_in)
         if self._closed:
             raise SnapshotError(f"not committing {folder}: the snapshot folder was closed while it was written")
         if self.job_lock is not None and self.job_lock.lost:
