@@ -76,6 +76,23 @@ def test_path_flags_are_checked_before_training(tmp_path):
     assert [p.name for p in a_folder.iterdir()] == ["kept.txt"] and (a_folder / "kept.txt").read_text() == "kept"
 
 
+def test_a_url_as_a_folder_is_refused_and_makes_no_local_folder(tmp_path, monkeypatch):
+    """`--snapshot-dir s3://bucket/run` written as a path would be a local folder `s3:/bucket/run`: a job whose
+    snapshots no other machine sees. It is refused in one line naming the flag, and nothing is made."""
+    from {{ cookiecutter.project_slug }}.config import Config
+    from {{ cookiecutter.project_slug }}.machinery import runfiles
+    from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
+    from {{ cookiecutter.project_slug }}.machinery.settings import RunError
+
+    monkeypatch.chdir(tmp_path)
+    for name, url in [("snapshot_dir", "s3://bucket/run"), ("export_dir", "gs://bucket/export")]:
+        cfg = Config(**{name: url})
+        with pytest.raises(RunError) as refused:
+            runfiles.check_paths(cfg, DistEnv())
+        assert f"--{name.replace('_', '-')}" in str(refused.value) and url in str(refused.value)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_runs_one_after_another_keep_their_own_files(tmp_path, wrapper):
     """Run A, then run B started afresh (--resume never) on the same symlinked snapshot folder, export folder and
     metrics file, without validation data; then A resumed from its config.toml."""

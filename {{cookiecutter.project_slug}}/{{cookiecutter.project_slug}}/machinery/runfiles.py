@@ -47,6 +47,9 @@ PATH_SETTINGS = (
 )
 
 
+URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")  # s3://, gs://, file://, ...
+
+
 def check_paths(cfg: Any, env: DistEnv) -> None:
     """Refuse, on every rank alike, the path settings rank 0 cannot use: one line naming each bad flag."""
     problems: list[str] = []
@@ -66,6 +69,11 @@ def path_problem(name: str, value: str, kind: str, optional: bool) -> str | None
     where = f"{flag(name)} {value!r}"
     if value == "":
         return None if optional else f"{where} is empty: name a {kind}"
+    if URL.match(value):  # written as a local path, "s3://bucket/run" would be a folder "s3:/bucket/run" here
+        return (
+            f"{where} is a URL: object storage is not supported; name a {kind} on a filesystem every machine "
+            "shares (docs/scaling.md)"
+        )
     path = os.path.abspath(value.replace("{rank}", "0") if name == "log_file" else value)
     if kind == "folder" and os.path.exists(path) and not os.path.isdir(path):
         return f"{where} is a file, not a folder"
