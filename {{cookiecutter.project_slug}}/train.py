@@ -62,8 +62,9 @@ def run(cfg: config.Config) -> Summary:
         parentdeath.exit_with_parent()  # a worker whose torchrun agent died stops too, instead of training on alone
     stopped = stop.stopped_by_signal(cfg.snapshot_dir)
     if stopped:  # torchrun restarting a job that a signal stopped: stay stopped, with the same exit code
-        log.log(
-            logging.WARNING if env.is_main else logging.DEBUG,
+        logs.warn_from_rank_0(
+            log,
+            env.is_main,
             "this job was stopped by signal %d: not restarting it; run the same command again to resume",
             stopped,
         )

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import debug, distributed
+from . import debug, distributed, logs
 from .batches import Progress, to_device
 from .distributed import DistEnv
 from .settings import RunError, flag, step_range
@@ -197,8 +197,9 @@ class DebugFlags:
                 f"{asked}: {flag('resume_from')} {self.resume_from} trains the steps after {self.resume_from} only: "
                 f"pick a later step, or replay from an earlier kept snapshot"
             )
-        log.log(
-            logging.WARNING if self.env.is_main else logging.DEBUG,
+        logs.warn_from_rank_0(
+            log,
+            self.env.is_main,
             "%s: this run resumes after step %d, so it does not get there (replay an earlier step with %s)",
             asked,
             resumed_at,

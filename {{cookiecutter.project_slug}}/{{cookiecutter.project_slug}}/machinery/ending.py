@@ -25,7 +25,7 @@ def finish(trainer: Trainer, stop: StopRequest) -> Summary:
     stop.close(restore_handlers=False)
     stopped = stop.stopped
     if stopped:
-        trainer.warn_once(
+        trainer.warn_from_rank_0(
             "stopping at step %d of %d on signal %d: saving a snapshot; run the same command again to resume",
             trainer.progress.step,
             trainer.total_steps,

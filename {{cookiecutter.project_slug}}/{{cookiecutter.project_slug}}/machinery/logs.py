@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import sys
+from typing import Any
 
 FORMAT = "%(asctime)s %(levelname)s [rank %(rank)s] %(name)s: %(message)s"
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
@@ -136,6 +137,11 @@ _PEER_LOST = re.compile(
     r"|Connection was likely closed|remote server shut ?down or crash|GLHF",
     re.IGNORECASE,
 )
+
+
+def warn_from_rank_0(logger: logging.Logger, is_main: bool, message: str, *args: Any) -> None:
+    """A warning that every rank reaches alike (a setting, an agreed stop): rank 0 says it, the others at DEBUG."""
+    logger.log(logging.WARNING if is_main else logging.DEBUG, message, *args)
 
 
 def lost_peer(exc: BaseException) -> str | None:

@@ -101,7 +101,7 @@ def build_and_restore(trainer: Trainer) -> dict | None:
 
     trainer.optimizer = as_optimizer((trainer.user.build_optimizer or default_optimizer)(cfg, trainer.model))
     for line in optimizer_warnings(trainer.model, trainer.optimizer):
-        trainer.warn_once("%s", line)
+        trainer.warn_from_rank_0("%s", line)
     trainer.user_scheduler = None
     if trainer.user.build_scheduler is not None:
         trainer.scheduler = trainer.user.build_scheduler(cfg, trainer.optimizer, trainer.total_steps)
@@ -182,7 +182,7 @@ def check_resumable(trainer: Trainer, resumed: dict, folder: str) -> None:
                 f"{trainer.env.world_size}: each rank's place in a stream is its own, so a stream resumes with as "
                 f"many ranks only (or start from scratch with {flag('resume')} never)"
             )
-        trainer.warn_once(
+        trainer.warn_from_rank_0(
             "the snapshot was written by %d rank(s) and this job has %d: model, optimizer and data position (by "
             "samples seen) are restored and every rank's random streams are re-seeded, so this run will not "
             "match an uninterrupted one bit for bit",
@@ -205,7 +205,7 @@ def log_changed_settings(trainer: Trainer, resumed: dict, folder: str) -> None:
         if key in resumed["config"] and resumed["config"][key] != getattr(trainer.cfg, key)
     ]
     if trainer.cfg.resume_from and reshaped:
-        trainer.warn_once(
+        trainer.warn_from_rank_0(
             "this replay changes the learning-rate schedule (%s): its steps are not the run's; give the run's own "
             "values to replay them exactly",
             ", ".join(reshaped),
@@ -217,7 +217,7 @@ def log_changed_settings(trainer: Trainer, resumed: dict, folder: str) -> None:
             ", ".join(f"{old:.3g} -> {new:.3g}" for old, new in trainer.user_scheduler.rescaled),
         )
     elif trainer.user_scheduler is not None and resumed["config"].get("lr") != trainer.cfg.lr:
-        trainer.warn_once(
+        trainer.warn_from_rank_0(
             "%s changed, but the learning rates build_optimizer in model.py makes did not: your optimizer "
             "does not take cfg.lr, so the change does not reach your schedule",
             flag("lr"),
@@ -242,11 +242,11 @@ def log_start(trainer: Trainer) -> None:
         trainer.user.build_scheduler is None
         and cfg.warmup_steps >= trainer.length.samples // trainer.length.step_samples
     ):
-        trainer.warn_once(
+        trainer.warn_from_rank_0(
             "%s %d is not shorter than the run (%d steps): the learning rate never reaches its peak",
             flag("warmup_steps"),
             cfg.warmup_steps,
             trainer.length.samples // trainer.length.step_samples,
         )
     if cfg.amp == "fp16" and trainer.env.device.type != "cuda":
-        trainer.warn_once("%s fp16 without CUDA runs without a gradient scaler; prefer bf16 on CPU", flag("amp"))
+        trainer.warn_from_rank_0("%s fp16 without CUDA runs without a gradient scaler; prefer bf16 on CPU", flag("amp"))

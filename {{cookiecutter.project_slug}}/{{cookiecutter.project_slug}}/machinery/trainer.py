@@ -70,7 +70,7 @@ class Trainer:
         runfiles.check_paths(cfg, env)  # before anything slow: a path that cannot be written is refused at once
         self.user = UserCode(PACKAGE, env)
         for line in self.user.misspelled() + self.user.unused():
-            self.warn_once("%s", line)
+            self.warn_from_rank_0("%s", line)
         if self.user.prepare_data is not None:  # downloads, a cache: once per machine, the others wait for it
             distributed.once_per_machine(env, "prepare_data", lambda: self.user.prepare_data(cfg))
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
@@ -90,7 +90,7 @@ class Trainer:
         # With starting weights under fsdp, the parameters take memory only once sharded (pretrained.py)
         self.starting_weights = pretrained.source(self.user, cfg)
         on_meta = self.starting_weights is not None and cfg.strategy == "fsdp"
-        self.model = pretrained.build_model(self.user, cfg, self.train_data, env, on_meta, self.warn_once)
+        self.model = pretrained.build_model(self.user, cfg, self.train_data, env, on_meta, self.warn_from_rank_0)
         self.parallel = Parallel(self.model, cfg, env, self.user)  # fsdp shards here, before the optimizer
         pretrained.materialize(self.model, env.device)
         self.sharded = self.parallel.sharded
@@ -242,9 +242,9 @@ class Trainer:
 
     # -- helpers -----------------------------------------------------------------------------------------------
 
-    def warn_once(self, message: str, *args) -> None:
+    def warn_from_rank_0(self, message: str, *args) -> None:
         """A warning that every rank reaches alike (settings, an agreed stop): rank 0 says it, the others at DEBUG."""
-        log.log(logging.WARNING if self.env.is_main else logging.DEBUG, message, *args)
+        logs.warn_from_rank_0(log, self.env.is_main, message, *args)
 
     def _record_evaluation(self, results: dict[str, float], count: int, seconds: float) -> None:
         progress = self.progress

@@ -14,6 +14,7 @@ from .. import distributed, identity, joblock
 from .format import (
     MANIFEST,
     RUN_FILE,
+    SHARED_FOLDER_WAIT_S,
     SnapshotError,
     finished_save,
     list_steps,
@@ -24,10 +25,6 @@ from .format import (
 )
 
 log = logging.getLogger(__name__)
-# How long a rank waits to see a file another machine just wrote to a shared folder: network filesystems cache
-# directory listings and failed lookups for a while (NFS: up to 30 s by default). Set SHARED_FOLDER_WAIT_S in the
-# environment for a filesystem that lags longer, or to fail faster where there is none.
-SHARED_FOLDER_WAIT_S = float(os.environ.get("SHARED_FOLDER_WAIT_S", "30"))
 
 
 def _eventually(check, timeout=SHARED_FOLDER_WAIT_S, interval=0.2):
