@@ -565,3 +565,15 @@ def test_the_frozen_checksum_sees_one_changed_element_of_any_dtype(dtype):
     changed[497] = 1  # 497 % 7 == 0
     assert checksum(tensor) == checksum(tensor.clone())
     assert checksum(changed) != checksum(tensor)
+
+
+def test_a_replay_copies_the_snapshot_that_holds_the_frozen_parameters_too(tmp_path):
+    from {{ cookiecutter.project_slug }} import config
+    from {{ cookiecutter.project_slug }}.machinery.debugflags import replay_settings
+
+    folder = tmp_path / "snapshots"
+    saved = save_adapter_run(folder, [(10, 10), (20, 10)], keep=3)
+    cfg = config.parse_args(["--wandb", "disabled", "--snapshot-dir", str(folder), "--resume-from", "20"])
+    replay = replay_settings(cfg, DistEnv())
+    assert sorted(p.name for p in (tmp_path / "snapshots.replay-20").glob("step-*")) == [step_name(10), step_name(20)]
+    assert torch.equal(load_latest(replay.snapshot_dir)["model"]["base"], saved[20][0])
