@@ -13,6 +13,7 @@ Your rooms are one level up: model.py, data.py and config.py (the seam: machiner
     optim.py        the default optimizer and learning-rate schedule, and how they resume
     evaluate.py     exact evaluation over every rank
     state.py        what a snapshot holds: named parts with state_dict()/load_state_dict()
+    pretrained.py   pretrained_weights: the starting weights read once, one tensor at a time (fsdp: built on meta)
     frozen.py       frozen parameters (a LoRA model's base): written once per run, checked before each save
     snapshot/       snapshots on disk: format, staging copies, the folder, the writer; load_latest
     report.py       export, summary, the resolved settings, the progress bar
