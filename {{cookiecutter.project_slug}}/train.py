@@ -44,7 +44,17 @@ def main(argv: list[str] | None = None) -> Summary:
 
 def run(cfg: config.Config) -> Summary:
     """Train with settings already parsed: set up this rank, train, tear down."""
-    from {{ cookiecutter.project_slug }}.machinery import debug, debugflags, distributed, faults, jobgroup, logs, parentdeath, stop, trainer
+    from {{ cookiecutter.project_slug }}.machinery import (
+        debug,
+        debugflags,
+        distributed,
+        faults,
+        jobgroup,
+        logs,
+        parentdeath,
+        stop,
+        trainer,
+    )
     from {{ cookiecutter.project_slug }}.machinery.snapshot import SnapshotError
     from {{ cookiecutter.project_slug }}.machinery.stream import StreamEnded
 

@@ -38,7 +38,7 @@ from conftest import (
 )
 from jsonc import load_jsonc
 
-from ddp_project.machinery import baked, trainer
+from {{ cookiecutter.project_slug }}.machinery import baked, trainer
 
 VSCODE = ROOT / ".vscode"
 WAITING = re.compile(r"^rank (\d+) waiting for debugger on (\S+):(\d+)$", re.M)
