@@ -29,7 +29,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,7 @@ from .settings import RunError
 
 log = logging.getLogger(__name__)
 SHOWN = 5  # names shown per kind of misfit; the rest are counted
+Reader = Callable[[int, int, torch.Tensor], None]  # rows start to stop of one tensor, copied into the tensor given
 BLOCK_BYTES = 16 * 2**20  # what rank 0 reads, and every rank receives, at once: the memory a tensor in flight takes
 
 
@@ -99,17 +100,17 @@ class WeightsFile:
             raise WeightsError(f"{self.path} holds no state dict (names -> tensors){hint}")
         return state
 
-    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows `start` to `stop` of the tensor `name` (a 0-d tensor: all of it), on the CPU; its file is open only
-        meanwhile, so no more of its pages than these rows' are ever mapped."""
+    def rows(self, name: str, start: int, stop: int, out: torch.Tensor) -> None:
+        """Rows `start` to `stop` of the tensor `name` (a 0-d tensor: all of it) copied into `out`; its file is open
+        only meanwhile, so no more of its pages than these rows' are ever mapped."""
         file = self.files[name]
         if file.suffix == ".safetensors":
             with _safe_open(file) as handle:
                 part = handle.get_slice(name)
-                rows = part[start:stop] if self.shapes[name] else part[...]
-                return rows.clone()  # the slice may map the file; a copy outlives the mapping
+                out.copy_(part[start:stop] if self.shapes[name] else part[...])  # the slice may map the file
+            return
         tensor = self._torch_load(file)[name]
-        return (tensor[start:stop] if tensor.dim() else tensor).clone()
+        out.copy_(tensor[start:stop] if tensor.dim() else tensor)
 
 
 def _safe_open(file: Path) -> Any:
@@ -174,12 +175,13 @@ def load(model: nn.Module, path: str, env: DistEnv) -> None:
     problem = broadcast_object(env, problem)
     if problem:
         raise RunError(problem)
+    space: dict[str, torch.Tensor] = {}  # one buffer for every block: fresh ones would leave freed memory behind
     with torch.no_grad():
         for names, target in groups:
             read = None
             if weights is not None:
                 read = functools.partial(weights.rows, next(name for name in names if name in weights.shapes))
-            _copy_in(target, read, env)
+            _copy_in(target, read, env, space)
     log.info("started from the weights in %s", path)
 
 
@@ -204,7 +206,7 @@ def own_rows(target: DTensor) -> tuple[int, int] | None:
     return (start, stop) if target.to_local().shape[0] == stop - start else None
 
 
-def _copy_in(target: torch.Tensor, read: Callable[[int, int], torch.Tensor] | None, env: DistEnv) -> None:
+def _copy_in(target: torch.Tensor, read: Reader | None, env: DistEnv, space: dict[str, torch.Tensor]) -> None:
     """The tensor `read` gives on rank 0 (rows start to stop at a time; None on the other ranks) into `target` on
     every rank: the whole tensor, or under fsdp each rank's shard of it."""
     mine = own_rows(target) if isinstance(target, DTensor) else None
@@ -220,12 +222,11 @@ def _copy_in(target: torch.Tensor, read: Callable[[int, int], torch.Tensor] | No
         if env.is_distributed:
             dist.broadcast(target.detach(), src=0)
     else:  # one block in flight at a time; each rank keeps the rows of its shard
-        local, (first, last) = target.to_local(), mine
+        local, (first, last) = cast(DTensor, target).to_local(), mine
         for start, stop in blocks(target.shape, target.element_size()):
+            block = _buffer(space, (stop - start, *target.shape[1:]), target.dtype, env.device)
             if read is not None:
-                block = read(start, stop).to(env.device, target.dtype)
-            else:
-                block = torch.empty((stop - start, *target.shape[1:]), dtype=target.dtype, device=env.device)
+                read(start, stop, block)
             if env.is_distributed:
                 dist.broadcast(block, src=0)
             low, high = max(start, first), min(stop, last)
@@ -233,12 +234,23 @@ def _copy_in(target: torch.Tensor, read: Callable[[int, int], torch.Tensor] | No
                 local[low - first : high - first].copy_(block[low - start : high - start])
 
 
-def _fill(tensor: torch.Tensor, read: Callable[[int, int], torch.Tensor] | None) -> None:
+def _fill(tensor: torch.Tensor, read: Reader | None) -> None:
     """`tensor` from `read`, block by block (None: left for the broadcast to fill)."""
     if read is None:
         return
     for start, stop in blocks(tensor.shape, tensor.element_size()):
-        (tensor[start:stop] if tensor.dim() else tensor).copy_(read(start, stop))
+        read(start, stop, tensor[start:stop] if tensor.dim() else tensor)
+
+
+def _buffer(
+    space: dict[str, torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A tensor of this shape and dtype in `space`'s one buffer, made larger when it must be."""
+    size = math.prod(shape) * dtype.itemsize
+    if "bytes" not in space or space["bytes"].numel() < size:
+        space.pop("bytes", None)
+        space["bytes"] = torch.empty(size, dtype=torch.uint8, device=device)
+    return space["bytes"][:size].view(dtype).view(shape)
 
 
 @contextlib.contextmanager
