@@ -195,6 +195,9 @@ def main():
     parser.add_argument("--strategies", default="ddp,fsdp")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
+    parser.add_argument(
+        "--update", action="store_true", help="replace only the cases measured now in --out's .json, keep the others"
+    )
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "PRETRAINED.md"))
     args = parser.parse_args()
 
@@ -235,6 +238,8 @@ def main():
                 if case == "tiny":
                     base = {record["rank"]: record["points"] for record in ranks}
                 found = summarize(strategy, case, launched, ranks, base, weight_mib)
+                for row in found:
+                    row["run"] = info["date"]
                 rows += found
                 for row in found:
                     first = row["first_forward"]
@@ -250,15 +255,23 @@ def main():
         else:
             shutil.rmtree(work, ignore_errors=True)
     info.update(meter.stop())
-    write_report(Path(args.out), info, weight_bytes, rows)
+    runs = [info]
+    if args.update:  # the rows of the cases not measured now, and the runs that measured them
+        kept = json.loads(Path(args.out).with_suffix(".json").read_text())
+        measured = {(row["strategy"], row["case"]) for row in rows}
+        old = [row for row in kept["rows"] if (row["strategy"], row["case"]) not in measured]
+        order = [(strategy, case) for strategy in ("ddp", "fsdp") for case in CASES]
+        rows = sorted(old + rows, key=lambda row: (order.index((row["strategy"], row["case"])), row["rank"]))
+        runs = [run for run in kept["runs"] if any(row["run"] == run["date"] for row in old)] + runs
+    write_report(Path(args.out), runs, weight_bytes, rows)
     print(f"wrote {args.out}")
 
 
-def write_report(out, info, weight_bytes, rows):
+def write_report(out, runs, weight_bytes, rows):
     weight_mib = weight_bytes / 2**20
     table = []
     for row in rows:
-        cells = [row["strategy"], row["case"], str(row["rank"])]
+        cells = [row["strategy"], row["case"], str(row["rank"]), row["run"]]
         for point in POINTS:
             cells.append(f"{row[point]['peak_mib']:.0f} / {row[point]['above_mib']:+.0f} / {row[point]['x']:.2f}x")
         first = row["at_first_forward"]
@@ -269,9 +282,12 @@ def write_report(out, info, weight_bytes, rows):
         [
             "# Memory per rank when a run starts from pretrained weights (CPU, gloo, 2 ranks)",
             "",
-            f"Machine: {info['cpu']}, {info['nproc']} cores, torch {info['torch']}, Python {info['python']}, "
-            f"{info['date']}; 1-minute load {info['load_before']:.2f} at the start, {info['load_after']:.2f} at the "
-            f"end; other processes used {info['foreign_cpu_s']:.0f} s of CPU in {info['wall_s']:.0f} s.",
+            *(
+                f"Measured {info['date']} on {info['cpu']}, {info['nproc']} cores, torch {info['torch']}, Python "
+                f"{info['python']}: 1-minute load {info['load_before']:.2f} at the start, {info['load_after']:.2f} at "
+                f"the end; other processes used {info['foreign_cpu_s']:.0f} s of CPU in {info['wall_s']:.0f} s."
+                for info in runs
+            ),
             "",
             f"The weights: a transformers GPT-2 ({', '.join(f'{k} {v}' for k, v in ARCH.items())}; the output layer "
             f"tied to the token embedding), {weight_bytes / 1e6:.0f} MB = {weight_mib:.1f} MiB of float32 tensors, "
@@ -287,9 +303,9 @@ def write_report(out, info, weight_bytes, rows):
             "first backward too: gradients); after step = its post-hook (AdamW's state too). Anon / file = "
             "RssAnon / RssFile (memory mapped from files) at the first forward, now, not peak.",
             "",
-            "| strategy | case | rank | first forward | before step 1 | after step 1 | anon / file MiB | launch to "
-            "first forward s |",
-            "|---|---|---|---|---|---|---|---|",
+            "| strategy | case | rank | measured | first forward | before step 1 | after step 1 | anon / file MiB | "
+            "launch to first forward s |",
+            "|---|---|---|---|---|---|---|---|---|",
             *table,
             "",
             "Every figure and each rank's phase times: PRETRAINED.json.",
@@ -298,7 +314,7 @@ def write_report(out, info, weight_bytes, rows):
     )
     out.write_text(text)
     out.with_suffix(".json").write_text(
-        json.dumps({"machine": info, "weight_bytes": weight_bytes, "rows": rows}, indent=1)
+        json.dumps({"runs": runs, "weight_bytes": weight_bytes, "rows": rows}, indent=1)
     )
 
 
