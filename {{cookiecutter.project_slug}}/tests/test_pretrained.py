@@ -1,9 +1,11 @@
-"""Starting from pretrained weights (machinery/pretrained.py) in one process: each kind of file gives the model
-exactly the tensors from_pretrained gives, tied weights stay tied, names that do not fit are one line, and
-parameters made on the meta device leave buffers as build_model made them."""
+"""Starting from pretrained weights (machinery/pretrained.py): each kind of file gives the model exactly the tensors
+from_pretrained gives, read in blocks, tied weights stay tied, names that do not fit are one line, parameters made
+on the meta device leave buffers as build_model made them, and under fsdp (two ranks) each rank gets exactly its
+shard with no more than one block of a tensor in flight."""
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from conftest import assert_same_weights, save_base_model
 from torch import nn
 
@@ -30,8 +32,9 @@ def fresh_model(folder):
 
 
 @pytest.mark.parametrize("kind", ["folder", "shards", "safetensors", "pt"])
-def test_a_model_starts_from_exactly_the_tensors_of_each_kind_of_weights(base, tmp_path, kind):
+def test_a_model_starts_from_exactly_the_tensors_of_each_kind_of_weights(base, tmp_path, kind, monkeypatch):
     folder, reference = base
+    monkeypatch.setattr(pretrained, "BLOCK_BYTES", 300)  # a few rows at a time: blocks, and a tensor's last one short
     if kind == "shards":
         path = tmp_path / "sharded"
         save_base_model(path, max_shard_size="50KB")
@@ -85,3 +88,51 @@ def test_parameters_made_on_meta_take_no_memory_and_buffers_keep_their_values():
     assert not any(parameter.is_meta for parameter in model.parameters())
     assert torch.equal(model.inv_freq, Rotary().inv_freq)
     assert nn.Linear(2, 2).weight.device.type == "cpu"  # only meanwhile
+
+
+class Tied(nn.Module):
+    """An embedding of 65 rows (fsdp's shards: 33 and 32), a layer, and an output layer tied to the embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.layer, self.head = nn.Embedding(65, 32), nn.Linear(32, 32), nn.Linear(32, 65, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def shard_and_load(rank, world_size, store_path, path, results):
+    """Tied built on meta, sharded by fully_shard over 2 gloo ranks and loaded from `path` in blocks of 600 bytes;
+    each tensor's full value (gathered) and the largest tensor any broadcast carried."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    try:
+        pretrained.BLOCK_BYTES = 600
+        sent, broadcast = [], dist.broadcast
+
+        def recorded(tensor, *args, **kwargs):
+            sent.append(tensor.nbytes)
+            return broadcast(tensor, *args, **kwargs)
+
+        dist.broadcast = recorded
+        with pretrained.parameters_on_meta():
+            model = Tied()
+        fully_shard(model.layer)
+        fully_shard(model)
+        pretrained.materialize(model, torch.device("cpu"))
+        pretrained.load(model, path, DistEnv(rank=rank, world_size=world_size))
+        results[rank] = ({name: value.full_tensor() for name, value in model.state_dict().items()}, max(sent))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_under_fsdp_each_rank_gets_exactly_its_rows_with_one_block_in_flight(tmp_path):
+    torch.manual_seed(0)
+    saved = {name: value for name, value in Tied().state_dict().items() if name != "head.weight"}  # tied: once
+    pytest.importorskip("safetensors.torch").save_file(saved, tmp_path / "tied.safetensors")
+    results = mp.Manager().dict()
+    mp.spawn(shard_and_load, args=(2, tmp_path / "store", str(tmp_path / "tied.safetensors"), results), nprocs=2)
+    for rank in range(2):
+        state, largest = results[rank]
+        assert_same_weights(state, {**saved, "head.weight": saved["embed.weight"]})
+        assert largest <= 600  # the embedding alone is 8320 bytes

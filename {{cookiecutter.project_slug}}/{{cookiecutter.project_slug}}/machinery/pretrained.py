@@ -8,24 +8,28 @@ are the model's own `state_dict()` keys; a tied parameter (GPT-2's `lm_head.weig
 unexpected or of another shape stops the run at start-up in one line naming them.
 
 How (at most once per machine, no rank ever holding a second copy of the model):
-- Rank 0 alone reads the file, one tensor at a time (each opened, read and closed on its own, so the file's pages do
-  not stay mapped), and broadcasts it: under ddp straight into every rank's parameter, in place.
+- Rank 0 alone reads the file, in blocks of rows of at most BLOCK_BYTES (the file opened, read and closed for each,
+  so its pages do not stay mapped), and broadcasts it: under ddp each tensor is filled on rank 0, block by block,
+  and then sent straight into every rank's parameter, in place.
 - Under --strategy fsdp, build_model runs with its parameters created on the meta device (no memory; buffers, e.g.
   rotary tables, are made as usual), the model is sharded, its shards allocated (`to_empty`) and the buffers put
-  back; each tensor then goes from rank 0 to every rank, which keeps its own shard of it. A rank holds its shards
-  plus one full tensor in flight. A model that cannot be built that way (its build reads parameter values) is built
-  as usual, with a warning: each rank then holds the whole model once, before it is sharded.
+  back; each block of a tensor then goes from rank 0 to every rank, which keeps the rows of its own shard (fsdp
+  shards by rows, as torch.chunk cuts them). A rank holds its shards plus one block in flight (a tensor sharded
+  otherwise: plus the whole tensor). A model that cannot be built that way (its build reads parameter values) is
+  built as usual, with a warning: each rank then holds the whole model once, before it is sharded.
 Tied parameters stay one tensor (copied in place, or kept tied by fully_shard through to_empty).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -38,6 +42,8 @@ from .settings import RunError
 
 log = logging.getLogger(__name__)
 SHOWN = 5  # names shown per kind of misfit; the rest are counted
+Reader = Callable[[int, int, torch.Tensor], None]  # rows start to stop of one tensor, copied into the tensor given
+BLOCK_BYTES = 16 * 2**20  # what rank 0 reads, and every rank receives, at once: the memory a tensor in flight takes
 
 
 class WeightsError(Exception):
@@ -94,13 +100,17 @@ class WeightsFile:
             raise WeightsError(f"{self.path} holds no state dict (names -> tensors){hint}")
         return state
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """The tensor `name`, on the CPU; its file is open only meanwhile, so its pages do not stay mapped."""
+    def rows(self, name: str, start: int, stop: int, out: torch.Tensor) -> None:
+        """Rows `start` to `stop` of the tensor `name` (a 0-d tensor: all of it) copied into `out`; its file is open
+        only meanwhile, so no more of its pages than these rows' are ever mapped."""
         file = self.files[name]
         if file.suffix == ".safetensors":
             with _safe_open(file) as handle:
-                return handle.get_tensor(name).clone()  # get_tensor maps the file; a copy outlives the mapping
-        return self._torch_load(file)[name].clone()
+                part = handle.get_slice(name)
+                out.copy_(part[start:stop] if self.shapes[name] else part[...])  # the slice may map the file
+            return
+        tensor = self._torch_load(file)[name]
+        out.copy_(tensor[start:stop] if tensor.dim() else tensor)
 
 
 def _safe_open(file: Path) -> Any:
@@ -165,32 +175,82 @@ def load(model: nn.Module, path: str, env: DistEnv) -> None:
     problem = broadcast_object(env, problem)
     if problem:
         raise RunError(problem)
+    space: dict[str, torch.Tensor] = {}  # one buffer for every block: fresh ones would leave freed memory behind
     with torch.no_grad():
         for names, target in groups:
-            source = None
+            read = None
             if weights is not None:
-                source = weights.tensor(next(name for name in names if name in weights.shapes))
-            _copy_in(target, source, env)
+                read = functools.partial(weights.rows, next(name for name in names if name in weights.shapes))
+            _copy_in(target, read, env, space)
     log.info("started from the weights in %s", path)
 
 
-def _copy_in(target: torch.Tensor, source: torch.Tensor | None, env: DistEnv) -> None:
-    """Rank 0's `source` into `target` on every rank: the whole tensor, or under fsdp each rank's shard of it."""
-    if isinstance(target, DTensor):
-        full = (
-            source.to(env.device, target.dtype)
-            if source is not None
-            else torch.empty(target.shape, dtype=target.dtype, device=env.device)
-        )
+def blocks(shape: torch.Size, element_size: int) -> list[tuple[int, int]]:
+    """A tensor's rows in blocks of at most BLOCK_BYTES (at least one row each); a 0-d tensor is one block."""
+    if not shape:
+        return [(0, 1)]
+    step = max(1, BLOCK_BYTES // max(1, element_size * math.prod(shape[1:])))
+    return [(start, min(start + step, shape[0])) for start in range(0, shape[0], step)]
+
+
+def own_rows(target: DTensor) -> tuple[int, int] | None:
+    """The rows of `target` this rank's shard holds when it is sharded by rows on a 1-d mesh (fsdp's Shard(0):
+    torch.chunk's cut, checked against the shard's own length); None when it is sharded otherwise."""
+    mesh, placements = target.device_mesh, target.placements
+    if mesh.ndim != 1 or len(placements) != 1 or not placements[0].is_shard(0) or target.dim() == 0:
+        return None
+    rows = target.shape[0]
+    chunk = -(-rows // mesh.size())
+    start = min(rows, mesh.get_local_rank() * chunk)
+    stop = min(rows, start + chunk)
+    return (start, stop) if target.to_local().shape[0] == stop - start else None
+
+
+def _copy_in(target: torch.Tensor, read: Reader | None, env: DistEnv, space: dict[str, torch.Tensor]) -> None:
+    """The tensor `read` gives on rank 0 (rows start to stop at a time; None on the other ranks) into `target` on
+    every rank: the whole tensor, or under fsdp each rank's shard of it."""
+    mine = own_rows(target) if isinstance(target, DTensor) else None
+    if isinstance(target, DTensor) and mine is None:  # the whole tensor in flight, then this rank's shard of it
+        full = torch.empty(target.shape, dtype=target.dtype, device=env.device)
+        _fill(full, read)
         if env.is_distributed:
             dist.broadcast(full, src=0)
         shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
         target.to_local().copy_(shard.to_local())
+    elif mine is None:  # every rank holds all of it: filled on rank 0, sent in place
+        _fill(target, read)
+        if env.is_distributed:
+            dist.broadcast(target.detach(), src=0)
+    else:  # one block in flight at a time; each rank keeps the rows of its shard
+        local, (first, last) = cast(DTensor, target).to_local(), mine
+        for start, stop in blocks(target.shape, target.element_size()):
+            block = _buffer(space, (stop - start, *target.shape[1:]), target.dtype, env.device)
+            if read is not None:
+                read(start, stop, block)
+            if env.is_distributed:
+                dist.broadcast(block, src=0)
+            low, high = max(start, first), min(stop, last)
+            if low < high:
+                local[low - first : high - first].copy_(block[low - start : high - start])
+
+
+def _fill(tensor: torch.Tensor, read: Reader | None) -> None:
+    """`tensor` from `read`, block by block (None: left for the broadcast to fill)."""
+    if read is None:
         return
-    if source is not None:
-        target.copy_(source)
-    if env.is_distributed:
-        dist.broadcast(target.detach(), src=0)
+    for start, stop in blocks(tensor.shape, tensor.element_size()):
+        read(start, stop, tensor[start:stop] if tensor.dim() else tensor)
+
+
+def _buffer(
+    space: dict[str, torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A tensor of this shape and dtype in `space`'s one buffer, made larger when it must be."""
+    size = math.prod(shape) * dtype.itemsize
+    if "bytes" not in space or space["bytes"].numel() < size:
+        space.pop("bytes", None)
+        space["bytes"] = torch.empty(size, dtype=torch.uint8, device=device)
+    return space["bytes"][:size].view(dtype).view(shape)
 
 
 @contextlib.contextmanager
