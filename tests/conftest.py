@@ -1,6 +1,7 @@
 """Order of the template's tests for two workers (./test.sh: -n 2 --dist worksteal, which hands each worker one half
-of the list and lets an idle one take tests from the end of the other's): the whole-suite test first, so it starts
-at once on the first worker; the next longest last, so the second worker runs them beside it."""
+of the list and lets an idle one take tests from the end of the other's): the groups of the whole-suite test first,
+so they start at once on the first worker; the next longest last, so the second worker runs them beside those (and
+whichever worker is idle first takes what is left of the other's half)."""
 
 FIRST = "test_own_model_and_data_pass_the_whole_suite"
 LAST = (

@@ -21,6 +21,17 @@ AWKWARD = {
 # The quick tier of a baked project's own suite (its in-process tests), run for every variant; the whole suite runs
 # once, on a bake whose demo model and data were replaced by a user's own (test_own_model_and_data_pass_the_whole_suite)
 FAST_OWN_TESTS = ["-m", "not slow"]
+# The whole suite of that bake, in groups of test files of about the same length, each group in one pytest process
+# (the template's own two workers share out the groups and the other bakes: no workers inside workers). A file's
+# tests stay together, with the runs its module shares; the last group holds every test file the others do not name.
+WHOLE_SUITE_GROUPS = {
+    "fault-tolerance-exactness": ["test_fault_tolerance", "test_exactness"],
+    "fsdp-launch": ["test_fsdp", "test_launch"],
+    "seam-debug-flags-any-batch": ["test_seam", "test_debug_flags", "test_any_batch"],
+    "debug-debug-recipes": ["test_debug", "test_debug_recipes"],
+    "train-recipes-user-view": ["test_train", "test_recipes", "test_user_view"],
+    "the-others": None,
+}
 OWN_MODEL = ROOT / "tests" / "own_model"
 OWN_LM = ROOT / "tests" / "own_lm"  # a transformer language model on a stream, with its own seam tests
 # The machinery's own stress tests (multi-node rendezvous, the job lock's races, crashes inside a save, ...): a user's
@@ -186,37 +197,42 @@ def test_defaults_bake_a_project_that_passes_the_quick_part_of_its_tests(tmp_pat
     assert list((project / "scripts").glob("*.sbatch"))
     assert_no_replica_groups(project)  # opt-in: replica_groups defaults to no
     run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FAST_OWN_TESTS)
-    # The package type-checks with the settings in its pyproject.toml (mypy's basic mode).
-    run_in(project, "-m", "mypy", "--no-incremental")
+    # mypy runs on the replica_groups=yes bake: its package is this one plus the replica groups' additions only.
 
 
-def test_own_model_and_data_pass_the_whole_suite(tmp_path):
+@pytest.mark.parametrize("group", list(WHOLE_SUITE_GROUPS))
+def test_own_model_and_data_pass_the_whole_suite(tmp_path, group):
     """The seam, kept honest: a user's CNN with BatchNorm and their own data, the demo deleted, every test unchanged."""
     project = bake(tmp_path)
     swap_in_own_model(project)
     demo_names = re.compile(r"--width|--depth|--dropout|--dataset-size|--val-size|TeacherDataset|\bMLP\b")
     for path in [*project.glob("ddp_project/*.py"), *project.glob("tests/*.py"), project / "train.py"]:
         assert not demo_names.search(path.read_text()), f"{path.relative_to(project)} still names the demo"
-    # Two test files at a time, as the baked README shows: each file's runs (and its shared ones) stay together.
+    present = {path.stem for path in (project / "tests").glob("test_*.py")}
+    named = [name for names in WHOLE_SUITE_GROUPS.values() for name in names or ()]
+    assert len(set(named)) == len(named) and set(named) <= present, f"the groups name a file twice or none: {named}"
+    files = WHOLE_SUITE_GROUPS[group] or sorted(present - set(named))
     result = run_in(
-        project, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile", timeout=1200
+        project, "-m", "pytest", "-q", "-p", "no:cacheprovider", *[f"tests/{name}.py" for name in files], timeout=900
     )
     summary = result.stdout.strip().splitlines()[-1]
     assert re.search(r"\d+ passed", summary) and "failed" not in summary, summary
-    print(f"the swapped-in model's run of the baked suite: {summary}")
+    print(f"the swapped-in model's run of {', '.join(files)}: {summary}")
 
 
-def test_the_machinerys_stress_tests_pass_in_a_default_bake(tmp_path):
+MACHINERY_TEST_FILES = sorted(path.name for path in MACHINERY_TESTS.glob("*_tests.py"))
+
+
+@pytest.mark.parametrize("name", MACHINERY_TEST_FILES)
+def test_the_machinerys_stress_tests_pass_in_a_default_bake(tmp_path, name):
+    """One file per test (the template's two workers share them out), run as tests/test_<name>.py."""
     project = bake(tmp_path)
-    names = []
-    for path in sorted(MACHINERY_TESTS.glob("*_tests.py")):
-        names.append(f"tests/test_{path.name.removesuffix('_tests.py')}.py")
-        shutil.copy(path, project / names[-1])
-    assert names, f"no machinery tests in {MACHINERY_TESTS}"
-    args = ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile", *names)
-    summary = run_in(project, *args, timeout=1200).stdout.strip().splitlines()[-1]
+    target = f"tests/test_{name.removesuffix('_tests.py')}.py"
+    shutil.copy(MACHINERY_TESTS / name, project / target)
+    result = run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", target, timeout=900)
+    summary = result.stdout.strip().splitlines()[-1]
     assert re.search(r"\d+ passed", summary) and "failed" not in summary, summary
-    print(f"the machinery's stress tests: {summary}")
+    print(f"the machinery's stress tests in {target}: {summary}")
 
 
 def test_rebake_from_the_recorded_answers_reproduces_the_project_byte_for_byte(tmp_path):
@@ -343,7 +359,10 @@ def test_replica_groups_yes_bakes_torchft_replica_groups_that_pass_their_tests(t
     )
     summary = result.stdout.strip().splitlines()[-1]
     assert re.search(r"\d+ passed", summary) and not re.search(r"failed|error|skipped", summary), summary
-    run_in(project, "-m", "mypy", "--no-incremental")  # the replica groups' module type-checks too
+    # The package type-checks with the settings in its pyproject.toml (mypy's basic mode), the replica groups' module
+    # too. Once, here: a default bake's package is this one less the replica groups' additions (a module, an import
+    # and a setting that no other file may name: assert_no_replica_groups), so it holds no code this check skips.
+    run_in(project, "-m", "mypy", "--no-incremental")
 
 
 def test_nproc_and_debug_port_reach_every_place_that_uses_them(tmp_path):

@@ -171,8 +171,8 @@ if FAULT == "crash_in_save" and RANK == FAULT_RANK:
 if FAULT == "kill_after_commit" and RANK == 0:
     original_commit = snapshot.Snapshots.commit
 
-    def commit_then_die(self, folder, step):
-        original_commit(self, folder, step)
+    def commit_then_die(self, folder, step, *args, **kwargs):
+        original_commit(self, folder, step, *args, **kwargs)
         if step == FAULT_STEP and should_fire():
             os.kill(os.getpid(), signal.SIGKILL)
 

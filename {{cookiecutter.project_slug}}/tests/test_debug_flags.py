@@ -123,35 +123,25 @@ def test_the_step_trains_on_the_batch_rebound_in_the_debugger(tmp_path, no_debug
 
 def test_a_break_or_profile_the_run_resumes_past_is_said_at_start_up(tmp_path, no_debugger, caplog):
     """Resumed after step 4: --break-at-step 3 and --profile-steps 2:3 are warned about (the run trains on); with
-    --resume-from 4, which can only replay steps 5 on, refused."""
+    --resume-from 4, which can only replay steps 5 on, refused. First, on the same run (one run for both checks):
+    a replay of step 5 logs to its own file and warns that --max-steps changes the schedule."""
     no_debugger.setenv("PYTHONBREAKPOINT", "breakpoint_probe.record")
     no_debugger.setenv("BREAK_RECORD_DIR", str(tmp_path))
     train.main(QUICK + ["--max-steps", "4", "--snapshot-every", "2"] + outputs(tmp_path))
+    run_log = (tmp_path / "run.log").read_bytes()
+    caplog.clear()
+    train.main(QUICK + ["--max-steps", "5", "--resume-from", "4"] + outputs(tmp_path))
+    assert (tmp_path / "run.log").read_bytes() == run_log
+    assert (tmp_path / "run.replay-4.log").stat().st_size > 0
+    warned = [
+        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "--max-steps" in r.getMessage()
+    ]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
     caplog.clear()
     train.main(QUICK + ["--max-steps", "6", "--break-at-step", "3", "--profile-steps", "2:3"] + outputs(tmp_path))
     warned = [r for r in caplog.records if r.name == debugflags.__name__ and r.levelno == logging.WARNING]
     assert len(warned) == 2 and not (tmp_path / "rank0.json").exists(), [r.getMessage() for r in caplog.records]
     assert refused_at_start(tmp_path, ["--max-steps", "6", "--resume-from", "4", "--break-at-step", "3"]) == 2
-
-
-def test_a_replay_logs_to_its_own_file_and_warns_of_a_schedule_it_changes(tmp_path, no_debugger, caplog):
-    train.main(QUICK + ["--max-steps", "4", "--snapshot-every", "2"] + outputs(tmp_path))
-    run_log = (tmp_path / "run.log").read_bytes()
-    caplog.clear()
-    train.main(QUICK + ["--max-steps", "6", "--resume-from", "2"] + outputs(tmp_path))
-    assert (tmp_path / "run.log").read_bytes() == run_log
-    assert (tmp_path / "run.replay-2.log").stat().st_size > 0
-    warned = [
-        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "--max-steps" in r.getMessage()
-    ]
-    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
-
-
-def test_the_profile_table_names_the_steps_traced(tmp_path, no_debugger, caplog):
-    train.main(QUICK + ["--max-steps", "3", "--profile-steps", "2:9"] + outputs(tmp_path))
-    (table,) = [r.getMessage() for r in caplog.records if r.name == debugflags.__name__ and "operators" in r.msg]
-    assert re.search(r"\b2-3\b", table.splitlines()[0]), table.splitlines()[0]
-    assert (tmp_path / "profile" / "trace-rank0.json").exists()
 
 
 def test_replica_checksums_tell_permuted_rows_apart():
@@ -204,7 +194,8 @@ def read_trace(path):
 def test_profile_steps_traces_each_rank_and_check_replicas_passes_a_healthy_run(tmp_path):
     """A healthy run whose model has a running statistic of the user's own (tests/fault_injection.py's
     RUNNING_MEAN, which differs across ranks after each forward by design): 4 checks, none of them a false alarm."""
-    args = ["--max-steps", "8", "--profile-steps", "3:4", "--check-replicas", "2"]
+    # A range past the run's end: the steps it took are traced, and the table names them.
+    args = ["--max-steps", "8", "--profile-steps", "7:9", "--check-replicas", "2"]
     script = train_cmd(2, script="tests/fault_injection.py")
     result = run(script + QUICK + args + outputs(tmp_path), env=child_env(RUNNING_MEAN=1))
 
@@ -213,12 +204,14 @@ def test_profile_steps_traces_each_rank_and_check_replicas_passes_a_healthy_run(
         mine = [path for path in traces if f"rank{rank}" in path.name]
         assert len(mine) == 1, traces
         events = read_trace(mine[0])["traceEvents"]
-        # Steps 3 and 4 only: two optimizer steps in the trace (torch names each Optimizer.step#<class>.step; the
+        # Steps 7 and 8 only: two optimizer steps in the trace (torch names each Optimizer.step#<class>.step; the
         # steps of several optimizers that build_optimizer returned are inside the one of all of them).
         optimizer_steps = [e for e in events if e.get("ph") == "X" and e["name"].startswith("Optimizer.step#")]
         outermost = [e for e in optimizer_steps if not any(inside(e, other) for other in optimizer_steps)]
         assert len(outermost) == 2, [e["name"] for e in optimizer_steps]
     assert result.stdout.count("Self CPU time total") == 1, "rank 0 prints torch's table of the top operators"
+    (heading,) = [line for line in result.stdout.splitlines() if "top operators" in line]
+    assert re.search(r"\b7-8\b", heading), heading
 
 
 @pytest.mark.slow

@@ -35,8 +35,8 @@ from conftest import (
     worker_pids,
 )
 
-ARGS = QUICK + ["--max-steps", "120", "--snapshot-every", "20"]
-LOGGED_STEPS = list(range(5, 121, 5))  # --log-every 5 (QUICK)
+ARGS = QUICK + ["--max-steps", "80", "--snapshot-every", "20"]
+LOGGED_STEPS = list(range(5, 81, 5))  # --log-every 5 (QUICK)
 
 
 def training_draws_random_numbers():
@@ -101,7 +101,7 @@ def test_sigkilled_workers_are_restarted_and_the_job_ends_bitwise_equal(tmp_path
     start_up = time.monotonic() - launched  # this machine's pace now: launch to the first steps
     killed_attempt: set[int] = set()
     left_after = None
-    for victim, after_step in [(1, 25), (0, 65)]:
+    for victim, after_step in [(1, 25), (0, 45)]:
         # This attempt's workers (none of the killed attempt's), then a step the killed attempt never reached.
         wait_for(
             lambda killed=killed_attempt: len(pids := worker_pids(proc.pid)) == 2 and not set(pids.values()) & killed,
@@ -123,7 +123,7 @@ def test_sigkilled_workers_are_restarted_and_the_job_ends_bitwise_equal(tmp_path
     assert left_after < 0.2 * start_up, f"the survivor left after {left_after:.2f} s, start-up {start_up:.1f} s"
     assert len(FAILED_ATTEMPT.findall(out)) == 2, "each restart must recover"
     done = summary(tmp_path)  # the last attempt's
-    assert done["resumed_from"] >= 60 and done["resumed_from"] % 20 == 0 and done["steps"] == 120, done
+    assert done["resumed_from"] >= 40 and done["resumed_from"] % 20 == 0 and done["steps"] == 80, done
     assert_same_weights(reference["model"], final_model(tmp_path / "run-snapshots")["model"])
     # Steps trained again after a restart replaced the failed attempt's records: each step once, in order.
     assert [record["step"] for record in metrics(tmp_path)] == LOGGED_STEPS
@@ -163,7 +163,7 @@ def test_sigterm_stops_at_a_step_saves_and_a_relaunch_ends_bitwise_equal(tmp_pat
     stopped = final_model(tmp_path / "run-snapshots")["step"]  # the snapshot saved where the ranks stopped
     assert (summary(tmp_path)["stop_signal"], summary(tmp_path)["steps"]) == (signal.SIGTERM, stopped)
     assert not (tmp_path / "run-export" / "model.pt").exists(), "a stopped run has no final weights to export"
-    assert 25 <= stopped < 120
+    assert 25 <= stopped < 80
     assert max(record["step"] for record in metrics(tmp_path)) <= stopped
     run(cmd)
     assert summary(tmp_path)["resumed_from"] == stopped
@@ -172,14 +172,15 @@ def test_sigterm_stops_at_a_step_saves_and_a_relaunch_ends_bitwise_equal(tmp_pat
 
 def test_resume_with_another_world_size_continues_by_samples_seen(tmp_path):
     """--max-steps counts steps of the size the run started with: on 1 rank the rest takes twice the steps."""
-    cmd2 = train_cmd(2, script="tests/fault_injection.py") + ARGS + outputs(tmp_path)
-    result = run(cmd2, env=injected(tmp_path, FAULT="kill_after_commit", FAULT_STEP=20), check=False)
-    assert result.returncode != 0 and final_model(tmp_path / "run-snapshots")["step"] == 20
-    run(train_cmd(1) + ARGS + outputs(tmp_path))
+    args = QUICK + ["--max-steps", "40", "--snapshot-every", "10"]
+    cmd2 = train_cmd(2, script="tests/fault_injection.py") + args + outputs(tmp_path)
+    result = run(cmd2, env=injected(tmp_path, FAULT="kill_after_commit", FAULT_STEP=10), check=False)
+    assert result.returncode != 0 and final_model(tmp_path / "run-snapshots")["step"] == 10
+    run(train_cmd(1) + args + outputs(tmp_path))
     batch = default_config().batch_size
     done = summary(tmp_path)
-    assert (done["world_size"], done["resumed_from"]) == (1, 20)
-    assert done["samples_seen"] == 120 * 2 * batch
-    assert done["steps"] == done["total_steps"] == 20 + 100 * 2
+    assert (done["world_size"], done["resumed_from"]) == (1, 10)
+    assert done["samples_seen"] == 40 * 2 * batch
+    assert done["steps"] == done["total_steps"] == 10 + 30 * 2
     state = final_model(tmp_path / "run-snapshots")
     assert (state["step"], state["progress"]["samples_seen"]) == (done["steps"], done["samples_seen"])

@@ -56,29 +56,29 @@ def test_fsdp_sigkill_at_a_random_moment_ends_bitwise_equal_with_3_ranks(tmp_pat
 
 
 def test_fsdp_damaged_shard_falls_back_and_one_rank_reshards_the_snapshot(tmp_path):
-    args = ARGS + FSDP + ["--snapshot-every", "20"]  # the last of a repeated flag counts
+    args = EXACT + ["--max-steps", "20"] + FSDP  # a snapshot every 10 steps: at 10 and 20
     run(train_cmd(2) + args + outputs(tmp_path))
     reference = exported(tmp_path)
     snapshots = tmp_path / "run-snapshots"
     shutil.copytree(snapshots, tmp_path / "one-snapshots")
-    shutil.rmtree(tmp_path / "one-snapshots" / "step-00000040")
+    shutil.rmtree(tmp_path / "one-snapshots" / "step-00000020")
 
     # One flipped bit in rank 1's shard of the newest snapshot: it is skipped and the job resumes from the one
     # before, ending bitwise-equal to the run that never had the damage.
-    shard = snapshots / "step-00000040" / "sharded" / "__1_0.distcp"
+    shard = snapshots / "step-00000020" / "sharded" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
     run(train_cmd(2) + args + outputs(tmp_path))
     done = summary(tmp_path)
-    assert (done["resumed_from"], done["steps"]) == (20, STEPS), done
+    assert (done["resumed_from"], done["steps"]) == (10, 20), done
     assert_same_weights(reference, exported(tmp_path))
-    assert len(list(snapshots.glob("step-00000040.damaged-*"))) == 1, "the damaged snapshot is kept aside"
+    assert len(list(snapshots.glob("step-00000020.damaged-*"))) == 1, "the damaged snapshot is kept aside"
 
-    # The 2-rank snapshot of step 20 on one rank: DCP reshards it, and the run keeps its length in samples
-    # (20 more steps of 2 ranks are 40 steps of one).
+    # The 2-rank snapshot of step 10 on one rank: DCP reshards it, and the run keeps its length in samples
+    # (10 more steps of 2 ranks are 20 steps of one).
     run(train_cmd(1) + args + outputs(tmp_path, "one"))
     one = summary(tmp_path, "one")
-    assert (one["world_size"], one["resumed_from"], one["steps"]) == (1, 20, 60), one
+    assert (one["world_size"], one["resumed_from"], one["steps"]) == (1, 10, 30), one
     train, _ = default_datasets()
     build_model(default_config(), train).load_state_dict(exported(tmp_path, "one"))

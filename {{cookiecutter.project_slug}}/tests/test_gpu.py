@@ -74,7 +74,7 @@ def probed_training(cfg, env, *rest):
 trainer.train = probed_training
 
 if __name__ == "__main__":
-    train.main(sys.argv[1:])
+    train.warmstart.run_and_exit(lambda: train.main(sys.argv[1:]))  # as train.py ends
 """
 
 

@@ -24,7 +24,7 @@ if os.environ.get("NO_VALIDATION"):
     data.build_datasets = lambda cfg: (build_datasets(cfg)[0], None)
 if os.environ.get("VECTOR_VAL_METRIC"):
     model.val_metrics = lambda outputs, targets: dict(per_class=torch.ones(3))
-train.main(sys.argv[1:])
+train.warmstart.run_and_exit(lambda: train.main(sys.argv[1:]))  # as train.py ends
 """
 FEW = QUICK + ["--log-every", "2"]
 

@@ -240,7 +240,7 @@ def loss_fn(outputs, targets):
 
 
 model.loss_fn = loss_fn
-train.main(sys.argv[1:])
+train.warmstart.run_and_exit(lambda: train.main(sys.argv[1:]))  # as train.py ends
 """
 
 
@@ -320,7 +320,7 @@ sys.path.insert(0, {root!r})
 import torch
 torch.compile = functools.partial(torch.compile, backend="eager")
 import train
-train.main(sys.argv[1:])
+train.warmstart.run_and_exit(lambda: train.main(sys.argv[1:]))  # as train.py ends
 """
 
 
