@@ -73,7 +73,8 @@ def connect(url: str):
     if protocol in ("s3", "s3a"):  # fail fast on a wrong endpoint; Uploader retries what is worth retrying
         config = {"connect_timeout": CONNECT_TIMEOUT_S, "retries": {"max_attempts": 2, "mode": "standard"}}
         options = {"config_kwargs": config}
-    fs, root = fsspec.core.url_to_fs(url, **options)
+    # a new client each time: one made before the environment changed (AWS_ENDPOINT_URL, ...) is not reused
+    fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
     if options:
         fs.retries = 2  # s3fs's own retries (5 by default) would multiply _retried's
     return fs, root.rstrip("/")
