@@ -94,18 +94,20 @@ def save_steps(url, steps, keep=10):
     snapshots.close()
 
 
-def test_a_missing_store_package_names_the_extra_to_install(tmp_path):
+def test_a_missing_store_package_names_the_extra_to_install(tmp_path, capfd):
     if importlib.util.find_spec("gcsfs"):
         pytest.skip("gcsfs is installed")
     with pytest.raises(SystemExit) as stopped:
         train.main(QUICK + ["--max-steps", "2"] + outputs(tmp_path)[2:] + ["--snapshot-dir", "gs://bucket/run"])
     assert stopped.value.code == 2
+    assert "'.[gcs]'" in capfd.readouterr().err  # what to install
     assert not (tmp_path.parent / "gs:").exists() and not os.path.exists("gs:")
 
 
 @needs_s3
-@pytest.mark.parametrize("where", ["missing bucket", "wrong endpoint"])
-def test_a_store_the_job_cannot_use_stops_it_at_start_up(tmp_path, bucket, monkeypatch, where, capfd):
+@pytest.mark.parametrize("where, error", [("missing bucket", "bucket does not exist"), ("wrong endpoint", "connect")])
+def test_a_store_the_job_cannot_use_stops_it_at_start_up(tmp_path, bucket, monkeypatch, where, error, capfd):
+    """One line naming the URL and the store's own error, within seconds."""
     url = f"s3://{bucket}-missing/run" if where == "missing bucket" else f"s3://{bucket}/run"
     if where == "wrong endpoint":
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
@@ -114,6 +116,8 @@ def test_a_store_the_job_cannot_use_stops_it_at_start_up(tmp_path, bucket, monke
         train.main(QUICK + ["--max-steps", "2"] + outputs(tmp_path)[2:] + ["--snapshot-dir", url])
     assert stopped.value.code == 2
     assert time.monotonic() - started < 30
+    errors = [line for line in capfd.readouterr().err.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and url in errors[0] and error in errors[0].lower(), errors
     assert logged_steps(tmp_path) == []
     assert not os.path.exists("s3:")
 
