@@ -7,9 +7,9 @@ the receipt, the rank's receipt goes last, and rank 0 writes the manifest once e
 store and every object it lists is there at its size. A snapshot whose manifest object is missing is never loaded.
 Training never waits for the store: a slow one makes snapshots late (one WARNING), connection errors and 5xx
 replies are retried with backoff. Loading (resume, `load_latest(url)`) downloads the newest snapshot whose
-objects all check out, falling back to older ones. Rank 0 holds `<prefix>/job.lock`, made with a conditional
-write (S3: If-None-Match: *) and renewed while the job runs; a lock whose heartbeat is older than
-STORE_LOCK_STALE_S (environment, default 60 s; by the store's clock) is a dead job's and is taken over.
+objects all check out, falling back to older ones. One job per prefix: storelock.py.
+
+Layout on the store: as in a local snapshot folder (see __init__.py), with job.lock the lock object.
 """
 
 import hashlib
@@ -19,12 +19,10 @@ import os
 import queue
 import secrets
 import shutil
-import socket
 import tempfile
 import threading
 import time
 
-from ..joblock import JobLockError
 from .format import (
     MANIFEST,
     RUN_FILE,
@@ -36,23 +34,14 @@ from .format import (
     receipt_file,
     step_name,
 )
+from .storelock import StoreLock, first_line
 
 log = logging.getLogger(__name__)
 
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
 CONNECT_TIMEOUT_S = 5.0
 ATTEMPTS = 6  # tries of one store call on connection errors and 5xx replies, with backoff from 0.5 s
-LOCK_OBJECT = "job.lock"
 RUN_FILES = (RUN_FILE, "config.toml")  # kept with the snapshots
-
-
-def stale_s() -> float:
-    return float(os.environ.get("STORE_LOCK_STALE_S", "60"))
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def connect(url: str):
@@ -101,8 +90,8 @@ def _retried(call, what: str):
             raise
         except Exception as exc:  # connection errors, timeouts, 5xx, throttling
             if attempt == ATTEMPTS - 1:
-                raise SnapshotError(f"{what}: {_first_line(exc)}") from exc
-            log.debug("%s: %s; retrying in %.1f s", what, _first_line(exc), delay)
+                raise SnapshotError(f"{what}: {first_line(exc)}") from exc
+            log.debug("%s: %s; retrying in %.1f s", what, first_line(exc), delay)
             time.sleep(delay)
             delay = min(delay * 2, 30.0)
 
@@ -119,12 +108,14 @@ def _sha256_remote(fs, path: str) -> tuple[int, str]:
 class Store:
     """One job's prefix on a store, and this rank's local staging folder for it."""
 
+    lock: StoreLock | None
+
     def __init__(self, url: str, rank: int):
         self.url = url.rstrip("/")
         self.fs, self.root = connect(self.url)
         tag = hashlib.sha256(self.url.encode()).hexdigest()[:12]
         self.local = os.path.join(tempfile.gettempdir(), f"snapshot-staging-{tag}-rank{rank}")
-        self.lock: StoreLock | None = None
+        self.lock = None
 
     def path(self, *names: str) -> str:
         return "/".join([self.root, *names])
@@ -139,7 +130,7 @@ class Store:
             read = self.fs.cat_file(self.path(name))
             self.fs.rm_file(self.path(name))
         except Exception as exc:  # the store's own error, whatever it is, in one line
-            raise SnapshotError(f"cannot use the store {self.url}: {_first_line(exc)}") from None
+            raise SnapshotError(f"cannot use the store {self.url}: {first_line(exc)}") from None
         if read != name.encode():
             raise SnapshotError(f"cannot use the store {self.url}: an object read back differs from what was written")
 
@@ -372,7 +363,7 @@ class Uploader:
                 if self._error is None and not self.closed:
                     self._upload(step)
             except BaseException as exc:
-                self._error = exc if isinstance(exc, SnapshotError) else SnapshotError(_first_line(exc))
+                self._error = exc if isinstance(exc, SnapshotError) else SnapshotError(first_line(exc))
             with self._idle:
                 self._pending -= 1
                 self._idle.notify_all()
@@ -420,102 +411,3 @@ class Uploader:
                     data = handle.read()
                 _retried(lambda d=data, n=name: self.store.fs.pipe_file(self.store.path(n), d), f"writing {name}")
         self.store.prune(self.keep)
-
-
-class StoreLock:
-    """Rank 0's lock object on the prefix: {owner, job, host, pid, heartbeat}, made only where none is."""
-
-    def __init__(self, store: Store, job: str):
-        self.store, self.job = store, job
-        self.name = store.path(LOCK_OBJECT)
-        self.owner = secrets.token_hex(8)
-        self.etag = ""
-        self.lost = ""
-        self._stop = threading.Event()
-
-    def _record(self) -> bytes:
-        record = {"owner": self.owner, "job": self.job, "host": socket.gethostname(), "pid": os.getpid()}
-        return json.dumps({**record, "heartbeat": time.time()}).encode()
-
-    def _read(self):
-        self.store.fs.invalidate_cache()
-        info = self.store.fs.info(self.name)
-        try:
-            holder = json.loads(self.store.fs.cat_file(self.name))
-        except ValueError:
-            holder = {}
-        return (holder if isinstance(holder, dict) else {}), info
-
-    def _replace(self, etag: str) -> None:
-        """Overwrite the lock only if it is still the object with `etag`; FileExistsError if it changed."""
-        fs, data = self.store.fs, self._record()
-        if hasattr(fs, "call_s3"):  # S3: If-Match, so that of two jobs taking a lapsed lock over one wins
-            bucket, key, _ = fs.split_path(self.name)
-            fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfMatch=etag)
-        else:
-            fs.rm_file(self.name)
-            fs.pipe_file(self.name, data, mode="create")
-        self.etag = self._read()[1].get("ETag", "")
-
-    def _store_now(self) -> float:
-        """The store's clock: the date it gives an object written now (the holder's and this machine's may differ)."""
-        probe = self.store.path(f".clock-{secrets.token_hex(6)}")
-        self.store.fs.pipe_file(probe, b"")
-        now = self.store.fs.info(probe)["LastModified"].timestamp()
-        self.store.fs.rm_file(probe)
-        return now
-
-    def acquire(self) -> None:
-        for _ in range(10):
-            try:
-                self.store.fs.pipe_file(self.name, self._record(), mode="create")
-                self.etag = self._read()[1].get("ETag", "")
-                return
-            except FileExistsError:
-                pass
-            try:
-                holder, info = self._read()
-            except FileNotFoundError:
-                continue  # released meanwhile
-            age = self._store_now() - info["LastModified"].timestamp()
-            same_job = bool(self.job) and holder.get("job") == self.job
-            if not same_job and age < stale_s():
-                raise JobLockError(
-                    f"{self.store.where(LOCK_OBJECT)} is held by another running job (host {holder.get('host')}, "
-                    f"pid {holder.get('pid')}, last heartbeat {age:.0f} s ago): one job per prefix. It is taken over "
-                    f"{stale_s() - age:.0f} s after its last heartbeat; delete it if no job uses {self.store.url}"
-                )
-            if not same_job:
-                log.warning(
-                    "taking over %s: its job is gone (no heartbeat for %.0f s)", self.store.where(LOCK_OBJECT), age
-                )
-            try:
-                self._replace(info.get("ETag", ""))
-                return
-            except FileExistsError:
-                continue  # another job took it first: judge the new holder
-        raise JobLockError(f"cannot take {self.store.where(LOCK_OBJECT)}: other jobs keep changing it")
-
-    def start_heartbeat(self) -> None:
-        threading.Thread(target=self._beat, name="store-lock-heartbeat", daemon=True).start()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(stale_s() / 6):
-            try:
-                holder, info = self._read()
-                if holder.get("owner") != self.owner:
-                    self.lost = f"another job took {self.store.where(LOCK_OBJECT)} over (host {holder.get('host')})"
-                    log.warning("%s: this job commits no more snapshots", self.lost)
-                    return
-                self._replace(info.get("ETag", ""))
-            except Exception as exc:  # a store briefly unreachable: the next beat tries again
-                log.debug("lock heartbeat: %s", _first_line(exc))
-
-    def release(self) -> None:
-        self._stop.set()
-        try:
-            holder, _ = self._read()
-            if holder.get("owner") == self.owner:
-                self.store.fs.rm_file(self.name)
-        except Exception as exc:  # a lock left behind lapses
-            log.debug("releasing %s: %s", self.name, _first_line(exc))
