@@ -48,7 +48,7 @@ class SnapshotFolder:
 
     def __init__(self, directory: str, env: distributed.DistEnv, keep: int):
         # On a store (an fsspec URL), self.directory is this rank's local staging folder (store.py)
-        self.store = Store(directory, env.rank) if URL.match(directory) else None
+        self.store = Store(directory, env.rank) if URL.match(str(directory)) else None
         self.uploads: Uploader | None = None
         self.directory = self.store.local if self.store else os.path.abspath(directory)
         self.env = env
@@ -109,8 +109,6 @@ class SnapshotFolder:
     def _prepare_store(self, fresh_start):
         """The store's prefix is taken by rank 0 (store.Store.open); every rank starts an empty staging folder."""
         problem = None
-        shutil.rmtree(self.directory, ignore_errors=True)
-        os.makedirs(self.directory)
         if self.env.is_main:
             try:
                 self.store.open(self.job, fresh_start)
@@ -121,6 +119,9 @@ class SnapshotFolder:
         problem = distributed.broadcast_object(self.env, problem)
         if problem:
             raise SnapshotError(problem)
+        if not self.env.is_main:  # rank 0's was emptied once it held the lock
+            shutil.rmtree(self.directory, ignore_errors=True)
+            os.makedirs(self.directory)
         timeout = getattr(self, "commit_timeout", 600.0)
         self.uploads = Uploader(self.store, self.env.rank, self.env.world_size, self.keep, timeout)
 

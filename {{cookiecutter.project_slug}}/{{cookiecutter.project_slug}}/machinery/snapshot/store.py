@@ -56,7 +56,7 @@ def connect(url: str):
         raise SnapshotError(f"{url}: the {protocol}:// store needs its package: pip install -e '.[{extra}]'") from None
     except ValueError:
         raise SnapshotError(f"{url}: fsspec knows no {protocol}:// store") from None
-    options: dict = {}
+    options: dict = {"auto_mkdir": True} if protocol in ("file", "local") else {}
     for name in ("botocore", "aiobotocore"):  # "found credentials in environment variables" on every start
         logging.getLogger(name).setLevel(logging.WARNING)
     if protocol in ("s3", "s3a"):  # fail fast on a wrong endpoint; Uploader retries what is worth retrying
@@ -64,7 +64,7 @@ def connect(url: str):
         options = {"config_kwargs": config}
     # a new client each time: one made before the environment changed (AWS_ENDPOINT_URL, ...) is not reused
     fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
-    if options:
+    if "config_kwargs" in options:
         fs.retries = 2  # s3fs's own retries (5 by default) would multiply _retried's
     return fs, root.rstrip("/")
 
@@ -182,6 +182,8 @@ class Store:
         self.probe()
         self.lock = StoreLock(self, job)
         self.lock.acquire()
+        shutil.rmtree(self.local, ignore_errors=True)  # this rank's staging: no other job of this prefix uses it
+        os.makedirs(self.local)
         committed, incomplete = self.steps()
         for step in incomplete:
             self._commit_finished(step)

@@ -72,7 +72,7 @@ class StoreLock:
         """The store's clock: the date it gives an object written now (the holder's and this machine's may differ)."""
         probe = self.store.path(f".clock-{secrets.token_hex(6)}")
         self.store.fs.pipe_file(probe, b"")
-        now = self.store.fs.info(probe)["LastModified"].timestamp()
+        now = self.store.fs.modified(probe).timestamp()
         self.store.fs.rm_file(probe)
         return now
 
@@ -88,7 +88,7 @@ class StoreLock:
                 holder, info = self._read()
             except FileNotFoundError:
                 continue  # released meanwhile
-            age = self._store_now() - info["LastModified"].timestamp()
+            age = self._store_now() - self.store.fs.modified(self.name).timestamp()
             same_job = bool(self.job) and holder.get("job") == self.job
             if not same_job and age < stale_s():
                 raise JobLockError(
