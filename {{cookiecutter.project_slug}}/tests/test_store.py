@@ -2,6 +2,8 @@
 on a cluster without a shared filesystem uses S3 or MinIO."""
 
 import importlib.util
+import io
+import json
 import os
 import random
 import signal
@@ -22,7 +24,6 @@ from conftest import (
     logged_steps,
     outputs,
     start,
-    summary,
     train_cmd,
     wait_for,
     worker_pids,
@@ -123,13 +124,17 @@ def test_a_store_the_job_cannot_use_stops_it_at_start_up(tmp_path, bucket, monke
 
 
 @needs_s3
-def test_a_sigkilled_ddp_job_resumes_from_the_store_bitwise_equal(tmp_path, bucket, reference_runs):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_sigkilled_job_resumes_from_the_store_bitwise_equal(tmp_path, bucket, reference_runs, strategy):
     """Two ranks with no folder in common (each stages its own part), one SIGKILLed at a random moment; torchrun's
     restart resumes from the store, and load_latest(url) gives the uninterrupted run's final model. The store
     keeps two snapshots, the run id and config.toml."""
-    reference = reference_runs(ARGS)
-    url = f"s3://{bucket}/run"
-    cmd = train_cmd(2, ["--max-restarts=2"]) + ARGS + ["--keep-snapshots", "2"] + outputs(tmp_path)[2:]
+    args = ARGS + (["--strategy", "fsdp"] if strategy == "fsdp" else [])
+    reference = reference_runs(args)
+    url, export = f"s3://{bucket}/run", f"s3://{bucket}/export"
+    files = ["--log-file", tmp_path / "run.log", "--metrics-file", tmp_path / "run-metrics.jsonl"]
+    files = [str(item) for item in files] + ["--export-dir", export, "--keep-snapshots", "2"]
+    cmd = train_cmd(2, ["--max-restarts=2"]) + args + files
     proc = start(cmd + ["--snapshot-dir", url], env=child_env())
     step = random.randint(25, 60)
     wait_for(lambda: any(logged >= step for logged in logged_steps(tmp_path)), timeout=180, what=f"step {step}")
@@ -137,8 +142,10 @@ def test_a_sigkilled_ddp_job_resumes_from_the_store_bitwise_equal(tmp_path, buck
     os.kill(worker_pids(proc.pid)[random.randrange(2)], signal.SIGKILL)
     code, out = finish(proc)
     assert code == 0, out[-5000:]
-    assert summary(tmp_path)["resumed_from"] >= 20
+    assert json.loads(store().cat_file(f"{bucket}/export/summary.json"))["resumed_from"] >= 20
     assert_same_weights(reference["model"], load_latest(url)["model"])
+    exported = torch.load(io.BytesIO(store().cat_file(f"{bucket}/export/model.pt")), weights_only=True)
+    assert_same_weights(reference["model"], exported)
     names = {name.split("/", 2)[2] for name in store().find(f"{bucket}/run")}
     assert {name.split("/")[0] for name in names if name.startswith("step-")} == {step_name(100), step_name(120)}
     assert {"run.json", "config.toml"} <= names
