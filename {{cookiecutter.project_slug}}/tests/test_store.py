@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -177,6 +178,69 @@ def test_keep_snapshots_prunes_on_the_store(bucket):
     save_steps(f"s3://{bucket}/run", [10, 20, 30, 40], keep=2)
     steps = {name.split("/")[2] for name in store().find(f"{bucket}/run") if "/step-" in name}
     assert steps == {step_name(30), step_name(40)}
+
+
+class FlakyLink:
+    """A TCP relay to the S3 server that can go down: while down it closes every connection, open or new."""
+
+    def __init__(self, endpoint):
+        self.target = int(endpoint.rsplit(":", 1)[1])
+        self.down = False
+        self.open: list[socket.socket] = []
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut(self, down):
+        self.down = down
+        for conn in list(self.open) if down else []:
+            conn.close()
+
+    def _accept(self):
+        while True:
+            conn, _ = self.server.accept()
+            if self.down:
+                conn.close()
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            self.open += [conn, upstream]
+            for a, b in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._relay, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _relay(source, target):
+        try:
+            while data := source.recv(1 << 16):
+                target.sendall(data)
+        except OSError:
+            pass
+        for end in (source, target):
+            end.close()
+
+
+@needs_s3
+def test_a_store_briefly_unreachable_delays_the_snapshots_not_the_saves(s3_server, bucket, monkeypatch, caplog):
+    """Uploads go on in the background and are retried: the saves return at once while the store is cut off, a
+    WARNING says snapshots are late, and both are committed once it is back."""
+    link = FlakyLink(s3_server)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", link.endpoint)
+    url = f"s3://{bucket}/run"
+    snapshots = Snapshots(url, DistEnv(), keep=10)
+    snapshots.prepare(estimated_bytes=1)
+    try:
+        link.cut(True)
+        started = time.monotonic()
+        for step in (10, 20):
+            snapshots.save(step, {"model": {"w": torch.full((64,), float(step))}, "step": step}, {})
+        assert time.monotonic() - started < 2, "a save waited for the store"
+        late = lambda: any(r.levelname == "WARNING" and url in r.getMessage() for r in caplog.records)  # noqa: E731
+        wait_for(late, timeout=10, what="a WARNING that the snapshots are late")
+        time.sleep(1)
+        link.cut(False)
+        snapshots.wait()
+    finally:
+        snapshots.close()
+    assert load_latest(url)["step"] == 20 and store().exists(f"{bucket}/run/{step_name(10)}/manifest.json")
 
 
 HOLDER = """
