@@ -39,6 +39,7 @@ def finish(trainer: Trainer, stop: StopRequest) -> Summary:
             os.path.join(trainer.snapshots.directory, STOP_RECORD),
             {"job": identity.current_job(), "step": trainer.progress.step, "signal": stop.signal},
         )
+        trainer.snapshots.keep_beside(STOP_RECORD)
     summary = run_summary(
         trainer, already_complete=trainer.resumed_from >= trainer.total_steps, stop_signal=stop.signal if stopped else 0
     )

@@ -21,6 +21,7 @@ from .format import (
     list_steps,
     load_step,
     read_manifest,
+    sha256_file,
     step_name,
     write_json_atomic,
 )
@@ -124,6 +125,12 @@ class SnapshotFolder:
             os.makedirs(self.directory)
         timeout = getattr(self, "commit_timeout", 600.0)
         self.uploads = Uploader(self.store, self.env.rank, self.env.world_size, self.keep, timeout)
+
+    def keep_beside(self, name: str) -> None:
+        """Rank 0: on a store, upload a file written beside the snapshots (stop.py's record) to the store too."""
+        if self.store is not None and self.env.is_main:
+            path = os.path.join(self.directory, name)
+            self.store.upload(path, name, {"size": os.path.getsize(path), "sha256": sha256_file(path)})
 
     def _pull_from_store(self):
         """Download the newest snapshot on the store that every rank finds whole into each rank's staging folder;

@@ -42,6 +42,7 @@ EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "ab
 CONNECT_TIMEOUT_S = 5.0
 ATTEMPTS = 6  # tries of one store call on connection errors and 5xx replies, with backoff from 0.5 s
 RUN_FILES = (RUN_FILE, "config.toml")  # kept with the snapshots
+STOP_RECORD = "stopped.json"  # stop.py's
 
 
 def connect(url: str):
@@ -78,6 +79,15 @@ def url_problem(url: str) -> str | None:
     except SnapshotError as exc:
         return str(exc)
     return None
+
+
+def read_beside(url: str, name: str) -> bytes | None:
+    """An object beside the snapshots on a store (stop.py's record), or None when there is none."""
+    try:
+        store = Store(url, 0)
+        return store.fs.cat_file(store.path(name))
+    except (OSError, SnapshotError):
+        return None
 
 
 def _retried(call, what: str):
@@ -198,6 +208,7 @@ class Store:
                 self.download(name, os.path.join(self.local, name))
             except FileNotFoundError:
                 pass
+        self.remove(STOP_RECORD)  # a new launch, not a restart of a job a signal stopped (stop.py)
         self.lock.start_heartbeat()
 
     def _commit_finished(self, step: int) -> None:
