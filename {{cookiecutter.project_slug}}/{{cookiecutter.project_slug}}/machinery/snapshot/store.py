@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
 CONNECT_TIMEOUT_S = 5.0
-ATTEMPTS = 6  # tries of one store call on connection errors and 5xx replies, with backoff from 0.5 s
+ATTEMPTS = 12  # tries of one store call on connection errors and 5xx replies: backoff from 0.5 s to 30 s, ~3 min
 RUN_FILES = (RUN_FILE, "config.toml")  # kept with the snapshots
 STOP_RECORD = "stopped.json"  # stop.py's
 
