@@ -81,6 +81,12 @@ def url_problem(url: str) -> str | None:
     return None
 
 
+def staging_folder(url: str, rank: int) -> str:
+    """The local folder where `rank` writes what goes to `url` before it is uploaded."""
+    tag = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), f"snapshot-staging-{tag}-rank{rank}")
+
+
 def read_beside(url: str, name: str) -> bytes | None:
     """An object beside the snapshots on a store (stop.py's record), or None when there is none."""
     try:
@@ -123,8 +129,7 @@ class Store:
     def __init__(self, url: str, rank: int):
         self.url = url.rstrip("/")
         self.fs, self.root = connect(self.url)
-        tag = hashlib.sha256(self.url.encode()).hexdigest()[:12]
-        self.local = os.path.join(tempfile.gettempdir(), f"snapshot-staging-{tag}-rank{rank}")
+        self.local = staging_folder(self.url, rank)
         self.lock = None
 
     def path(self, *names: str) -> str:
