@@ -76,20 +76,26 @@ def test_path_flags_are_checked_before_training(tmp_path):
     assert [p.name for p in a_folder.iterdir()] == ["kept.txt"] and (a_folder / "kept.txt").read_text() == "kept"
 
 
-def test_a_url_as_a_folder_is_refused_and_makes_no_local_folder(tmp_path, monkeypatch):
-    """`--snapshot-dir s3://bucket/run` written as a path would be a local folder `s3:/bucket/run`: a job whose
-    snapshots no other machine sees. It is refused in one line naming the flag, and nothing is made."""
+def test_a_url_whose_store_package_is_missing_is_refused_and_makes_no_local_folder(tmp_path, monkeypatch):
+    """`--snapshot-dir gs://bucket/run` written as a path would be a local folder `gs:/bucket/run`: a job whose
+    snapshots no other machine sees. Without the store's package it is refused in one line naming the flag and
+    the extra to install, and nothing is made."""
+    import importlib.util
+
     from {{ cookiecutter.project_slug }}.config import Config
     from {{ cookiecutter.project_slug }}.machinery import runfiles
     from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
     from {{ cookiecutter.project_slug }}.machinery.settings import RunError
 
+    if importlib.util.find_spec("gcsfs"):
+        pytest.skip("gcsfs is installed")
     monkeypatch.chdir(tmp_path)
-    for name, url in [("snapshot_dir", "s3://bucket/run"), ("export_dir", "gs://bucket/export")]:
+    for name, url in [("snapshot_dir", "gs://bucket/run"), ("export_dir", "gs://bucket/export")]:
         cfg = Config(**{name: url})
         with pytest.raises(RunError) as refused:
             runfiles.check_paths(cfg, DistEnv())
         assert f"--{name.replace('_', '-')}" in str(refused.value) and url in str(refused.value)
+        assert "'.[gcs]'" in str(refused.value)
     assert list(tmp_path.iterdir()) == []
 
 

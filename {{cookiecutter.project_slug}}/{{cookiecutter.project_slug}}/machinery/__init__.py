@@ -15,7 +15,7 @@ Your rooms are one level up: model.py, data.py and config.py (the seam: machiner
     state.py        what a snapshot holds: named parts with state_dict()/load_state_dict()
     pretrained.py   pretrained_weights: the starting weights read once, one tensor at a time (fsdp: built on meta)
     frozen.py       frozen parameters (a LoRA model's base): written once per run, checked before each save
-    snapshot/       snapshots on disk: format, staging copies, the folder, the writer; load_latest
+    snapshot/       snapshots on disk or a store (s3://...): format, staging copies, the folder, the writer; load_latest
     report.py       export, summary, the resolved settings, the progress bar
     stop.py         SIGTERM and Ctrl-C: stop every rank at the same step, with a snapshot
     runsettings.py  the engine's settings (RunSettings, which config.py's Config extends), grouped as --help shows

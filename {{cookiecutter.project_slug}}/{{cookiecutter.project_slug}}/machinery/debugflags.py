@@ -70,6 +70,8 @@ def replay_settings(cfg: Any, env: DistEnv) -> Any:
     step = cfg.resume_from
     if not step:
         return cfg
+    if "://" in cfg.snapshot_dir:  # a store: the snapshot is downloaded for a replay on this machine
+        return _replay_from_store(cfg, env, step)
     original = os.path.abspath(cfg.snapshot_dir)
     kept = list_steps(original)[0] if os.path.isdir(original) else []
     if step not in kept:
@@ -103,6 +105,51 @@ def replay_settings(cfg: Any, env: DistEnv) -> Any:
         metrics_file=metrics_file,
         wandb="disabled",
         resume="auto",
+    )
+
+
+def _replay_from_store(cfg: Any, env: DistEnv, step: int) -> Any:
+    """replay_settings for a snapshot on a store: rank 0 downloads it (checked) into a folder under the system's
+    temp dir, which every rank of this machine reads."""
+    import tempfile
+
+    from .snapshot.store import Store
+
+    store = Store(cfg.snapshot_dir, env.rank)
+    scratch = os.path.join(
+        tempfile.gettempdir(), f"{os.path.basename(store.local).rsplit('-rank', 1)[0]}.replay-{step}"
+    )
+    problem = None
+    if env.is_main:
+        kept = store.steps()[0]
+        shutil.rmtree(scratch, ignore_errors=True)
+        if step not in kept:
+            problem = (
+                f"{store.url} keeps no snapshot of step {step} (it keeps {', '.join(map(str, sorted(kept))) or 'none'})"
+            )
+        else:
+            problem = store.pull(step, scratch)
+            for name in (RUN_FILE, "config.toml") if problem is None else ():
+                try:
+                    store.download(name, os.path.join(scratch, name))
+                except FileNotFoundError:
+                    pass
+    problem = distributed.broadcast_object(env, problem)
+    if problem:
+        raise RunError(f"{flag('resume_from')} {step}: {problem}")
+    log.log(
+        logging.INFO if env.is_main else logging.DEBUG,
+        "replaying from the snapshot of step %d in %s: snapshots and export go to %s",
+        step,
+        store.url,
+        scratch,
+    )
+    metrics_file = cfg.metrics_file  # the original run's is left as it is
+    if metrics_file and os.path.abspath(metrics_file) == _original_metrics_file(scratch):
+        metrics_file = ""
+    export = os.path.join(scratch, "export")
+    return dataclasses.replace(
+        cfg, snapshot_dir=scratch, export_dir=export, metrics_file=metrics_file, wandb="disabled", resume="auto"
     )
 
 

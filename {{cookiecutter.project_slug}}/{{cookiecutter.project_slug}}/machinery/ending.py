@@ -39,6 +39,7 @@ def finish(trainer: Trainer, stop: StopRequest) -> Summary:
             os.path.join(trainer.snapshots.directory, STOP_RECORD),
             {"job": identity.current_job(), "step": trainer.progress.step, "signal": stop.signal},
         )
+        trainer.snapshots.keep_beside(STOP_RECORD)
     summary = run_summary(
         trainer, already_complete=trainer.resumed_from >= trainer.total_steps, stop_signal=stop.signal if stopped else 0
     )
@@ -46,6 +47,7 @@ def finish(trainer: Trainer, stop: StopRequest) -> Summary:
         trainer.export("model.pt")  # final weights only from a run that finished
     if trainer.env.is_main:
         write_summary(summary, trainer.exports.directory)  # a stopped run's too, with its stop_signal
+        trainer.exports.publish()
     if summary.already_complete:
         log.info(
             "already complete: %d of %d steps, last loss %.4f%s; nothing to train (raise --max-steps or "
@@ -69,7 +71,7 @@ def finish(trainer: Trainer, stop: StopRequest) -> Summary:
         "snapshots: %s (newest %s); exported weights: %s",
         summary.snapshot_dir,
         summary.newest_snapshot,
-        trainer.exports.directory,
+        summary.export_dir,
     )
     return summary
 
@@ -88,9 +90,9 @@ def run_summary(trainer: Trainer, already_complete: bool, stop_signal: int) -> S
         val_loss=progress.val_loss,
         best_val_loss=progress.best_val_loss,
         best_step=progress.best_step,
-        snapshot_dir=trainer.snapshots.directory,
+        snapshot_dir=trainer.snapshots.store.url if trainer.snapshots.store else trainer.snapshots.directory,
         newest_snapshot=step_name(progress.step),
-        export_dir=trainer.exports.directory,
+        export_dir=trainer.exports.store.url if trainer.exports.store else trainer.exports.directory,
         log_file=os.path.abspath(cfg.log_file.replace("{rank}", "0")) if cfg.log_file else "",
         metrics_file=trainer.metrics_file,
         already_complete=already_complete,

@@ -133,7 +133,12 @@ def launch(
         _RUNNING.release()
         if log_dir is None:
             shutil.rmtree(logs, ignore_errors=True)
-    return _summary(Path(cfg.export_dir), started)
+    export_dir = cfg.export_dir
+    if "://" in export_dir:  # a store: rank 0's summary is also in its staging folder (snapshot/store.py)
+        from .snapshot.store import staging_folder
+
+        export_dir = f"{staging_folder(export_dir, 0)}-export"
+    return _summary(Path(export_dir), started)
 
 
 def _parse(argv: list[str]) -> Any:

@@ -69,11 +69,13 @@ def path_problem(name: str, value: str, kind: str, optional: bool) -> str | None
     where = f"{flag(name)} {value!r}"
     if value == "":
         return None if optional else f"{where} is empty: name a {kind}"
-    if URL.match(value):  # written as a local path, "s3://bucket/run" would be a folder "s3:/bucket/run" here
-        return (
-            f"{where} is a URL: object storage is not supported; name a {kind} on a filesystem every machine "
-            "shares (docs/scaling.md)"
-        )
+    if URL.match(value):  # object storage, through fsspec (snapshot/store.py)
+        if kind != "folder":
+            return f"{where} is a URL: name a local {kind}"
+        from .snapshot.store import url_problem
+
+        problem = url_problem(value)
+        return f"{where}: {problem}" if problem else None
     path = os.path.abspath(value.replace("{rank}", "0") if name == "log_file" else value)
     if kind == "folder" and os.path.exists(path) and not os.path.isdir(path):
         return f"{where} is a file, not a folder"
@@ -172,6 +174,12 @@ class ExportFolder:
     """Rank 0's claim on the export folder for one run (the other ranks only learn where it is)."""
 
     def __init__(self, env: DistEnv, directory: str, run_id: str):
+        self.store = None
+        if URL.match(directory):  # exported locally, then uploaded by publish()
+            from .snapshot.store import Store
+
+            self.store = Store(directory, env.rank)
+            directory = f"{self.store.local}-export"
         self.directory = os.path.abspath(directory)
         self._fd: int | None = None
         problem = None
@@ -229,6 +237,23 @@ class ExportFolder:
                     log.info("this run's exported files are back in %s from %s", self.directory, own)
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"run_id": run_id}).encode())
+
+    def publish(self) -> None:
+        """Rank 0, on a store: upload what the export folder holds (each file checked by reading it back)."""
+        if self.store is None or self._fd is None:
+            return
+        from .snapshot.format import sha256_file
+
+        for name in EXPORT_FILES:
+            path = os.path.join(self.directory, name)
+            if os.path.isdir(path):
+                for folder, _, files in os.walk(path):
+                    for file in files:
+                        local = os.path.join(folder, file)
+                        entry = {"size": os.path.getsize(local), "sha256": sha256_file(local)}
+                        self.store.upload(local, os.path.relpath(local, self.directory).replace(os.sep, "/"), entry)
+            elif os.path.isfile(path):
+                self.store.upload(path, name, {"size": os.path.getsize(path), "sha256": sha256_file(path)})
 
     def close(self) -> None:
         if self._fd is not None:

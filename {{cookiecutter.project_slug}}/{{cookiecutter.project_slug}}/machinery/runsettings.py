@@ -54,7 +54,9 @@ class Evaluation(Training):
 
     eval_every: int = option(100, "evaluate every this many optimizer steps; 0 = only at the end", min=0)
     export_dir: str = option(
-        "export", "final weights (model.pt) and the best by val_loss (best.pt) go here", nonempty=True
+        "export",
+        "final weights (model.pt) and the best by val_loss (best.pt) go here (a folder or store URL)",
+        nonempty=True,
     )
     metrics_file: str = option("logs/metrics.jsonl", "one JSON object per logged step, written by rank 0; '' for none")
 
@@ -64,7 +66,9 @@ class Snapshots(Evaluation):
     """snapshots (fault tolerance)"""
 
     snapshot_dir: str = option(
-        "snapshots", "folder for snapshots; a run resumes from the newest good one in it", nonempty=True
+        "snapshots",
+        "folder (or store URL: s3://bucket/prefix, gs://, az://) for snapshots; a run resumes from the newest good one",
+        nonempty=True,
     )
     snapshot_every: int = option(100, "save a snapshot every this many optimizer steps (and always at the end)", min=1)
     keep_snapshots: int = option(

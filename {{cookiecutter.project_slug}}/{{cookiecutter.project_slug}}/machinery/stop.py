@@ -25,8 +25,13 @@ def stopped_by_signal(snapshot_dir: str) -> int:
     if not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0):
         return 0
     try:
-        with open(os.path.join(snapshot_dir, STOP_RECORD), encoding="utf-8") as handle:
-            record = json.load(handle)
+        if "://" in snapshot_dir:  # a store (snapshot/store.py)
+            from .snapshot.store import read_beside
+
+            record = json.loads(read_beside(snapshot_dir, STOP_RECORD) or b"null")
+        else:
+            with open(os.path.join(snapshot_dir, STOP_RECORD), encoding="utf-8") as handle:
+                record = json.load(handle)
     except (OSError, ValueError):
         return 0
     stopped_job = record.get("job") if isinstance(record, dict) else None

@@ -219,6 +219,7 @@ class Trainer:
 
     def export(self, name: str) -> None:
         export(self.model, self.sharded, self.env, self.exports.directory, name)
+        self.exports.publish()
 
     def close(self, error: BaseException | None = None) -> None:
         """`error`: the exception that ends the run early, if one does."""

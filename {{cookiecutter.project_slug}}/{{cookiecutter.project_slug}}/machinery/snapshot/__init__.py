@@ -32,7 +32,8 @@ to is moved aside (beside it) and made anew, so the link keeps its place and its
 
 Where the code is: format.py (names, checksummed atomic writes, the manifest, checked reads, `load_latest`),
 rng.py (random streams), staging.py (copies off the training thread), folder.py (the folder's life: prepare,
-resume, set aside, prune), writer.py (`Snapshots`: save in the background and commit).
+resume, set aside, prune), writer.py (`Snapshots`: save in the background and commit), store.py (the same on
+object storage: `--snapshot-dir s3://bucket/prefix`).
 """
 
 from .format import (

@@ -11,6 +11,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import distributed, identity, joblock
+from ..runfiles import URL
 from .format import (
     MANIFEST,
     RUN_FILE,
@@ -20,9 +21,11 @@ from .format import (
     list_steps,
     load_step,
     read_manifest,
+    sha256_file,
     step_name,
     write_json_atomic,
 )
+from .store import Store, Uploader
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +48,10 @@ class SnapshotFolder:
     """
 
     def __init__(self, directory: str, env: distributed.DistEnv, keep: int):
-        self.directory = os.path.abspath(directory)
+        # On a store (an fsspec URL), self.directory is this rank's local staging folder (store.py)
+        self.store = Store(directory, env.rank) if URL.match(str(directory)) else None
+        self.uploads: Uploader | None = None
+        self.directory = self.store.local if self.store else os.path.abspath(directory)
         self.env = env
         self.keep = keep
         self.job = identity.current_job()  # recorded in every manifest: a restart of this job resumes them
@@ -75,6 +81,9 @@ class SnapshotFolder:
 
     def _prepare(self, estimated_bytes, fresh_start):
         env = self.env
+        if self.store is not None:
+            self._prepare_store(fresh_start)
+            return
         problem, token = None, None
         if env.is_main:
             problem, token = self._check_folder(estimated_bytes, fresh_start)
@@ -96,6 +105,47 @@ class SnapshotFolder:
             raise SnapshotError(
                 f"not every rank sees the snapshot folder {main_directory} that rank 0 writes to "
                 f"({'; '.join(blind[:3])}{more}): on several machines, --snapshot-dir must be a folder they all share"
+            )
+
+    def _prepare_store(self, fresh_start):
+        """The store's prefix is taken by rank 0 (store.Store.open); every rank starts an empty staging folder."""
+        problem = None
+        if self.env.is_main:
+            try:
+                self.store.open(self.job, fresh_start)
+            except (SnapshotError, joblock.JobLockError) as exc:
+                problem = str(exc)
+            except Exception as exc:  # the store's own error
+                problem = f"cannot use the store {self.store.url}: {type(exc).__name__}: {exc}"
+        problem = distributed.broadcast_object(self.env, problem)
+        if problem:
+            raise SnapshotError(problem)
+        if not self.env.is_main:  # rank 0's was emptied once it held the lock
+            shutil.rmtree(self.directory, ignore_errors=True)
+            os.makedirs(self.directory)
+        timeout = getattr(self, "commit_timeout", 600.0)
+        self.uploads = Uploader(self.store, self.env.rank, self.env.world_size, self.keep, timeout)
+
+    def keep_beside(self, name: str) -> None:
+        """Rank 0: on a store, upload a file written beside the snapshots (stop.py's record) to the store too."""
+        if self.store is not None and self.env.is_main:
+            path = os.path.join(self.directory, name)
+            self.store.upload(path, name, {"size": os.path.getsize(path), "sha256": sha256_file(path)})
+
+    def _pull_from_store(self):
+        """Download the newest snapshot on the store that every rank finds whole into each rank's staging folder;
+        older ones are tried when an object is missing or damaged."""
+        committed = distributed.broadcast_object(self.env, self.store.steps()[0] if self.env.is_main else None)
+        for step in committed:
+            reason = self.store.pull(step, self.directory)
+            if distributed.all_true(self.env, reason is None):
+                return
+            if reason:
+                log.warning("skipping snapshot %s: %s", self.store.where(step_name(step)), reason)
+            shutil.rmtree(self.step_folder(step), ignore_errors=True)
+        if committed:
+            raise SnapshotError(
+                f"no usable snapshot in {self.store.url}: every one is damaged (see the warnings above)"
             )
 
     def _check_folder(self, estimated_bytes, fresh_start):
@@ -226,6 +276,8 @@ class SnapshotFolder:
         rank found its files good; otherwise all ranks move to the next older one together.
         """
         env = self.env
+        if self.store is not None:
+            self._pull_from_store()
         committed = list_steps(self.directory)[0]
 
         def newest():
@@ -284,6 +336,10 @@ class SnapshotFolder:
         """Give the folder up: rank 0 releases the job lock. Call wait() first to finish a save in flight: close()
         does not wait for it (after a failure it might never finish), and it is not committed after close()."""
         self._closed = True
+        if self.uploads is not None:
+            self.uploads.closed = True
+        if self.store is not None:
+            self.store.close()
         if self.job_lock is not None:
             self.job_lock.release()
             self.job_lock = None

@@ -16,6 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from ..runfiles import URL
 from ..settings import shown
 
 log = logging.getLogger(__name__)
@@ -362,6 +363,10 @@ def load_latest(directory: str, rank: int | None = None) -> dict | None:
     "config", "run_id", "world_size", and `rank_state` for `rank` when given. Damaged snapshots are skipped with a
     warning; if every snapshot is damaged, SnapshotError says why.
     """
+    if URL.match(str(directory)):  # a store (store.py): downloaded, then read from here
+        from .store import load_latest_url
+
+        return load_latest_url(directory, rank, load_latest)
     reasons = []
     for step in list_steps(directory)[0]:
         step_path = os.path.join(directory, step_name(step))

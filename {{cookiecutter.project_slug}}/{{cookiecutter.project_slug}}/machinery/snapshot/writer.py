@@ -109,7 +109,7 @@ class Snapshots(SnapshotFolder):
         CUDA tensors are copied into pinned memory on a side stream, started here without waiting for the
         device (see DeviceCopies); the first save allocates those buffers.
         """
-        self.wait()
+        self._wait_written()  # not for uploads to a store: they go on in the background (store.py)
         shared = shared if self.env.is_main else None
         try:
             own = self._write_own_part(step, rank_state, alone=shared is None and sharded_state is None)
@@ -145,11 +145,24 @@ class Snapshots(SnapshotFolder):
 
     def wait(self) -> None:
         """Return once the save in flight is written (and, on rank 0, committed); raise if it failed."""
+        self._wait_written()
+        if self.uploads is not None:
+            try:
+                self.uploads.drain()
+            except Exception as exc:
+                raise self._failure(exc) from exc
+
+    def _wait_written(self) -> None:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         self._device_copies = None  # the writer waited for them (or failed before they mattered)
         self._raise_error()
+        if self.uploads is not None:
+            try:
+                self.uploads.raise_error()
+            except Exception as exc:
+                raise self._failure(exc) from exc
 
     def settle(self, grace: float) -> None:
         """After a failure: give the save in flight up to `grace` seconds to be written and, on rank 0, committed,
@@ -164,6 +177,11 @@ class Snapshots(SnapshotFolder):
             self._thread = None
         self._device_copies = None
         error, self._error = self._error, None
+        if error is None and self.uploads is not None:
+            try:
+                self.uploads.drain(grace)
+            except Exception as exc:
+                error = exc
         if error is not None:
             log.debug("the snapshot in flight was not committed: %s", error)
 
@@ -232,7 +250,9 @@ class Snapshots(SnapshotFolder):
                 if shards is not None:
                     files.update(self._write_shards(folder, join_dtensors(shards, layouts)))
                 self._write_receipt(folder, files, frozen_in)
-            if self.env.is_main:
+            if self.uploads is not None:  # the store: each rank uploads its part, rank 0 commits (store.py)
+                self.uploads.submit(step)
+            elif self.env.is_main:
                 self.commit(folder, step, frozen_in)
         except BaseException as exc:  # handed to the training thread by wait() or wait_until_copied()
             self._error = exc

@@ -1,0 +1,275 @@
+"""Snapshots on object storage: a real S3 API server (moto's, a process of its own) used through s3fs, as a job
+on a cluster without a shared filesystem uses S3 or MinIO."""
+
+import importlib.util
+import io
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from conftest import (
+    QUICK,
+    ROOT,
+    assert_same_weights,
+    child_env,
+    finish,
+    free_port,
+    logged_steps,
+    outputs,
+    start,
+    train_cmd,
+    wait_for,
+    worker_pids,
+)
+
+sys.path.insert(0, str(ROOT))
+
+import train
+from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
+from {{ cookiecutter.project_slug }}.machinery.snapshot import SHARED, SnapshotError, Snapshots, load_latest, step_name
+
+ARGS = QUICK + ["--max-steps", "120", "--snapshot-every", "20"]  # test_fault_tolerance.py's: one reference run
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+needs_s3 = pytest.mark.skipif(
+    not all(importlib.util.find_spec(name) for name in ("s3fs", "moto", "boto3")),
+    reason="pip install -e '.[dev]' (moto[server], s3fs, boto3)",
+)
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """moto's S3 server on 127.0.0.1, for this module's tests; yields its endpoint."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+
+        def listening():
+            with socket.socket() as probe:
+                return probe.connect_ex(("127.0.0.1", port)) == 0
+
+        wait_for(listening, timeout=60, what="moto's S3 server")
+        yield endpoint
+    finally:
+        server.kill()
+        server.wait()
+
+
+@pytest.fixture
+def bucket(s3_server, monkeypatch, request):
+    """A new, empty bucket on the server; the environment points s3fs (and child processes) at it."""
+    import boto3
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    name = f"b{random.randrange(1 << 40):x}"
+    boto3.client("s3").create_bucket(Bucket=name)
+    return name
+
+
+def store():
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    fs.invalidate_cache()
+    return fs
+
+
+def save_steps(url, steps, keep=10):
+    snapshots = Snapshots(url, DistEnv(), keep=keep)
+    snapshots.prepare(estimated_bytes=1)
+    for step in steps:
+        snapshots.save(step, {"model": {"w": torch.full((64,), float(step))}, "step": step}, {}, blocking=True)
+    snapshots.close()
+
+
+def test_a_missing_store_package_names_the_extra_to_install(tmp_path, capfd):
+    if importlib.util.find_spec("gcsfs"):
+        pytest.skip("gcsfs is installed")
+    with pytest.raises(SystemExit) as stopped:
+        train.main(QUICK + ["--max-steps", "2"] + outputs(tmp_path)[2:] + ["--snapshot-dir", "gs://bucket/run"])
+    assert stopped.value.code == 2
+    assert "'.[gcs]'" in capfd.readouterr().err  # what to install
+    assert not (tmp_path.parent / "gs:").exists() and not os.path.exists("gs:")
+
+
+@needs_s3
+@pytest.mark.parametrize("where, error", [("missing bucket", "bucket does not exist"), ("wrong endpoint", "connect")])
+def test_a_store_the_job_cannot_use_stops_it_at_start_up(tmp_path, bucket, monkeypatch, where, error, capfd):
+    """One line naming the URL and the store's own error, within seconds."""
+    url = f"s3://{bucket}-missing/run" if where == "missing bucket" else f"s3://{bucket}/run"
+    if where == "wrong endpoint":
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as stopped:
+        train.main(QUICK + ["--max-steps", "2"] + outputs(tmp_path)[2:] + ["--snapshot-dir", url])
+    assert stopped.value.code == 2
+    assert time.monotonic() - started < 30
+    errors = [line for line in capfd.readouterr().err.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and url in errors[0] and error in errors[0].lower(), errors
+    assert logged_steps(tmp_path) == []
+    assert not os.path.exists("s3:")
+
+
+@needs_s3
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_sigkilled_job_resumes_from_the_store_bitwise_equal(tmp_path, bucket, reference_runs, strategy):
+    """Two ranks with no folder in common (each stages its own part), one SIGKILLed at a random moment; torchrun's
+    restart resumes from the store, and load_latest(url) gives the uninterrupted run's final model. The store
+    keeps two snapshots, the run id and config.toml."""
+    args = ARGS + (["--strategy", "fsdp"] if strategy == "fsdp" else [])
+    reference = reference_runs(args)
+    url, export = f"s3://{bucket}/run", f"s3://{bucket}/export"
+    files = ["--log-file", tmp_path / "run.log", "--metrics-file", tmp_path / "run-metrics.jsonl"]
+    files = [str(item) for item in files] + ["--export-dir", export, "--keep-snapshots", "2"]
+    cmd = train_cmd(2, ["--max-restarts=2"]) + args + files
+    proc = start(cmd + ["--snapshot-dir", url], env=child_env())
+    step = random.randint(25, 60)
+    wait_for(lambda: any(logged >= step for logged in logged_steps(tmp_path)), timeout=180, what=f"step {step}")
+    time.sleep(random.uniform(0, 0.3))
+    os.kill(worker_pids(proc.pid)[random.randrange(2)], signal.SIGKILL)
+    code, out = finish(proc)
+    assert code == 0, out[-5000:]
+    assert json.loads(store().cat_file(f"{bucket}/export/summary.json"))["resumed_from"] >= 20
+    assert_same_weights(reference["model"], load_latest(url)["model"])
+    exported = torch.load(io.BytesIO(store().cat_file(f"{bucket}/export/model.pt")), weights_only=True)
+    assert_same_weights(reference["model"], exported)
+    names = {name.split("/", 2)[2] for name in store().find(f"{bucket}/run")}
+    assert {name.split("/")[0] for name in names if name.startswith("step-")} == {step_name(100), step_name(120)}
+    assert {"run.json", "config.toml"} <= names
+
+
+@needs_s3
+@pytest.mark.parametrize("damage", ["bit flip", "missing"])
+def test_a_damaged_object_falls_back_to_the_previous_snapshot(bucket, damage):
+    url = f"s3://{bucket}/run"
+    save_steps(url, [10, 20])
+    newest = f"{bucket}/run/{step_name(20)}/{SHARED}"
+    if damage == "missing":
+        store().rm(newest)
+    else:
+        data = bytearray(store().cat_file(newest))
+        data[len(data) // 2] ^= 0x10
+        store().pipe_file(newest, bytes(data))
+    assert load_latest(url)["step"] == 10
+    snapshots = Snapshots(url, DistEnv(), keep=10)
+    snapshots.prepare(estimated_bytes=1)
+    try:
+        assert snapshots.resume()["step"] == 10
+    finally:
+        snapshots.close()
+
+
+@needs_s3
+def test_keep_snapshots_prunes_on_the_store(bucket):
+    save_steps(f"s3://{bucket}/run", [10, 20, 30, 40], keep=2)
+    steps = {name.split("/")[2] for name in store().find(f"{bucket}/run") if "/step-" in name}
+    assert steps == {step_name(30), step_name(40)}
+
+
+class FlakyLink:
+    """A TCP relay to the S3 server that can go down: while down it closes every connection, open or new."""
+
+    def __init__(self, endpoint):
+        self.target = int(endpoint.rsplit(":", 1)[1])
+        self.down = False
+        self.open: list[socket.socket] = []
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut(self, down):
+        self.down = down
+        for conn in list(self.open) if down else []:
+            conn.close()
+
+    def _accept(self):
+        while True:
+            conn, _ = self.server.accept()
+            if self.down:
+                conn.close()
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            self.open += [conn, upstream]
+            for a, b in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._relay, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _relay(source, target):
+        try:
+            while data := source.recv(1 << 16):
+                target.sendall(data)
+        except OSError:
+            pass
+        for end in (source, target):
+            end.close()
+
+
+@needs_s3
+def test_a_store_briefly_unreachable_delays_the_snapshots_not_the_saves(s3_server, bucket, monkeypatch, caplog):
+    """Uploads go on in the background and are retried: the saves return at once while the store is cut off, a
+    WARNING says snapshots are late, and both are committed once it is back."""
+    link = FlakyLink(s3_server)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", link.endpoint)
+    url = f"s3://{bucket}/run"
+    snapshots = Snapshots(url, DistEnv(), keep=10)
+    snapshots.prepare(estimated_bytes=1)
+    try:
+        link.cut(True)
+        started = time.monotonic()
+        for step in (10, 20):
+            snapshots.save(step, {"model": {"w": torch.full((64,), float(step))}, "step": step}, {})
+        assert time.monotonic() - started < 2, "a save waited for the store"
+        late = lambda: any(r.levelname == "WARNING" and url in r.getMessage() for r in caplog.records)  # noqa: E731
+        wait_for(late, timeout=10, what="a WARNING that the snapshots are late")
+        time.sleep(1)
+        link.cut(False)
+        snapshots.wait()
+    finally:
+        snapshots.close()
+    assert load_latest(url)["step"] == 20 and store().exists(f"{bucket}/run/{step_name(10)}/manifest.json")
+
+
+HOLDER = """
+import sys, time
+sys.path.insert(0, {root!r})
+from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
+from {{ cookiecutter.project_slug }}.machinery.snapshot import Snapshots
+Snapshots({url!r}, DistEnv(), keep=2).prepare(estimated_bytes=1)
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+@needs_s3
+def test_one_job_per_prefix_and_a_dead_jobs_lock_is_taken_over(bucket, monkeypatch):
+    monkeypatch.setenv("STORE_LOCK_STALE_S", "3")
+    url = f"s3://{bucket}/run"
+    holder = start([sys.executable, "-c", HOLDER.format(root=str(ROOT), url=url)], env=child_env())
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        time.sleep(4)  # past the lapse: the holder's heartbeat keeps its lock
+        with pytest.raises(SnapshotError, match="held by another running job"):
+            Snapshots(url, DistEnv(), keep=2).prepare(estimated_bytes=1)
+    finally:
+        holder.kill()
+        holder.wait()
+    with pytest.raises(SnapshotError, match="held by another running job"):  # its last heartbeat is recent
+        Snapshots(url, DistEnv(), keep=2).prepare(estimated_bytes=1)
+    time.sleep(3.5)
+    snapshots = Snapshots(url, DistEnv(), keep=2)
+    snapshots.prepare(estimated_bytes=1)
+    snapshots.close()

@@ -1,0 +1,431 @@
+"""Snapshots on object storage (`--snapshot-dir s3://bucket/prefix`, gs://, az://, file://), through fsspec.
+
+A store has no rename, and the ranks of a job may share no filesystem. So each rank writes its part of a save to a
+local staging folder of its own first (the code path of a local snapshot folder, under the system's temp dir),
+and a background thread (`Uploader`) uploads it: each object is read back and its size and sha256 checked against
+the receipt, the rank's receipt goes last, and rank 0 writes the manifest once every rank's receipt is on the
+store and every object it lists is there at its size. A snapshot whose manifest object is missing is never loaded.
+Training never waits for the store: a slow one makes snapshots late (one WARNING), connection errors and 5xx
+replies are retried with backoff. Loading (resume, `load_latest(url)`) downloads the newest snapshot whose
+objects all check out, falling back to older ones. One job per prefix: storelock.py.
+
+Layout on the store: as in a local snapshot folder (see __init__.py), with job.lock the lock object.
+"""
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+
+from .format import (
+    MANIFEST,
+    RUN_FILE,
+    SnapshotError,
+    check_file,
+    new_manifest,
+    read_manifest,
+    read_receipt,
+    receipt_file,
+    step_name,
+)
+from .storelock import StoreLock, first_line
+
+log = logging.getLogger(__name__)
+
+EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
+CONNECT_TIMEOUT_S = 5.0
+ATTEMPTS = 12  # tries of one store call on connection errors and 5xx replies: backoff from 0.5 s to 30 s, ~3 min
+RUN_FILES = (RUN_FILE, "config.toml")  # kept with the snapshots
+STOP_RECORD = "stopped.json"  # stop.py's
+
+
+def connect(url: str):
+    """(filesystem, root path) for a URL; StoreError names the extra to install when its package is missing."""
+    import fsspec
+
+    protocol = url.split("://", 1)[0].lower()
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ImportError:
+        extra = EXTRAS.get(protocol, protocol)
+        raise SnapshotError(f"{url}: the {protocol}:// store needs its package: pip install -e '.[{extra}]'") from None
+    except ValueError:
+        raise SnapshotError(f"{url}: fsspec knows no {protocol}:// store") from None
+    options: dict = {"auto_mkdir": True} if protocol in ("file", "local") else {}
+    for name in ("botocore", "aiobotocore"):  # "found credentials in environment variables" on every start
+        logging.getLogger(name).setLevel(logging.WARNING)
+    if protocol in ("s3", "s3a"):  # fail fast on a wrong endpoint; Uploader retries what is worth retrying
+        config = {"connect_timeout": CONNECT_TIMEOUT_S, "retries": {"max_attempts": 2, "mode": "standard"}}
+        options = {"config_kwargs": config}
+    # a new client each time: one made before the environment changed (AWS_ENDPOINT_URL, ...) is not reused
+    fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
+    if "config_kwargs" in options:
+        fs.retries = 2  # s3fs's own retries (5 by default) would multiply _retried's
+    return fs, root.rstrip("/")
+
+
+def url_problem(url: str) -> str | None:
+    """Why a job cannot use `url` (package missing, store unreachable, bucket missing, no permission), or None:
+    a probe object is written, read back and removed."""
+    try:
+        store = Store(url, 0)
+        store.probe()
+    except SnapshotError as exc:
+        return str(exc)
+    return None
+
+
+def staging_folder(url: str, rank: int) -> str:
+    """The local folder where `rank` writes what goes to `url` before it is uploaded."""
+    tag = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), f"snapshot-staging-{tag}-rank{rank}")
+
+
+def read_beside(url: str, name: str) -> bytes | None:
+    """An object beside the snapshots on a store (stop.py's record), or None when there is none."""
+    try:
+        store = Store(url, 0)
+        return store.fs.cat_file(store.path(name))
+    except (OSError, SnapshotError):
+        return None
+
+
+def _retried(call, what: str):
+    """call(), retried with backoff unless the store's answer is final (missing, forbidden, exists)."""
+    delay = 0.5
+    for attempt in range(ATTEMPTS):
+        try:
+            return call()
+        except (FileNotFoundError, PermissionError, FileExistsError, SnapshotError):
+            raise
+        except Exception as exc:  # connection errors, timeouts, 5xx, throttling
+            if attempt == ATTEMPTS - 1:
+                raise SnapshotError(f"{what}: {first_line(exc)}") from exc
+            log.debug("%s: %s; retrying in %.1f s", what, first_line(exc), delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 30.0)
+
+
+def _sha256_remote(fs, path: str) -> tuple[int, str]:
+    digest, size = hashlib.sha256(), 0
+    with fs.open(path, "rb", block_size=1 << 22) as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+            size += len(block)
+    return size, digest.hexdigest()
+
+
+class Store:
+    """One job's prefix on a store, and this rank's local staging folder for it."""
+
+    lock: StoreLock | None
+
+    def __init__(self, url: str, rank: int):
+        self.url = url.rstrip("/")
+        self.fs, self.root = connect(self.url)
+        self.local = staging_folder(self.url, rank)
+        self.lock = None
+
+    def path(self, *names: str) -> str:
+        return "/".join([self.root, *names])
+
+    def where(self, *names: str) -> str:
+        return "/".join([self.url, *names])
+
+    def probe(self) -> None:
+        name = f".probe-{secrets.token_hex(6)}"
+        try:
+            self.fs.pipe_file(self.path(name), name.encode())
+            read = self.fs.cat_file(self.path(name))
+            self.fs.rm_file(self.path(name))
+        except Exception as exc:  # the store's own error, whatever it is, in one line
+            raise SnapshotError(f"cannot use the store {self.url}: {first_line(exc)}") from None
+        if read != name.encode():
+            raise SnapshotError(f"cannot use the store {self.url}: an object read back differs from what was written")
+
+    def steps(self) -> tuple[list[int], list[int]]:
+        """(committed steps newest first, steps without a manifest), as list_steps gives them for a folder."""
+        self.fs.invalidate_cache()
+        names = _retried(lambda: self.fs.find(self.root), f"listing {self.url}")
+        found: dict[int, bool] = {}
+        for name in names:
+            parts = name[len(self.root) + 1 :].split("/")
+            if len(parts) >= 2 and parts[0].startswith("step-"):
+                step = parts[0][len("step-") :]
+                if step.isdigit() and step_name(int(step)) == parts[0]:
+                    found[int(step)] = found.get(int(step), False) or parts[1:] == [MANIFEST]
+        return sorted((s for s, done in found.items() if done), reverse=True), sorted(
+            s for s, d in found.items() if not d
+        )
+
+    def upload(self, local: str, name: str, entry: dict) -> None:
+        """Put one file and check it by reading it back: its size and sha256 must be the receipt's."""
+
+        def put():
+            self.fs.put_file(local, self.path(name))
+            got = _sha256_remote(self.fs, self.path(name))
+            if got != (entry["size"], entry["sha256"]):
+                raise OSError(f"{self.where(name)} read back as {got[0]} bytes with another checksum")
+
+        _retried(put, f"uploading {self.where(name)}")
+
+    def download(self, name: str, local: str) -> None:
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        _retried(lambda: self.fs.get_file(self.path(name), local), f"downloading {self.where(name)}")
+
+    def remove(self, name: str) -> None:
+        try:
+            _retried(lambda: self.fs.rm(self.path(name), recursive=True), f"removing {self.where(name)}")
+        except FileNotFoundError:
+            pass
+
+    def put_json(self, name: str, obj) -> None:
+        data = json.dumps(obj, indent=1, sort_keys=True).encode()
+        _retried(lambda: self.fs.pipe_file(self.path(name), data), f"writing {self.where(name)}")
+
+    # -- the job's start-up (rank 0) ------------------------------------------------------------------------------
+
+    def open(self, job: str, fresh_start: bool) -> None:
+        """Take the prefix for this job: the lock, then commit saves whose parts are all there, move another job's
+        snapshots aside on a fresh start, remove interrupted saves, and fetch the run id and config."""
+        self.probe()
+        self.lock = StoreLock(self, job)
+        self.lock.acquire()
+        shutil.rmtree(self.local, ignore_errors=True)  # this rank's staging: no other job of this prefix uses it
+        os.makedirs(self.local)
+        committed, incomplete = self.steps()
+        for step in incomplete:
+            self._commit_finished(step)
+        committed, incomplete = self.steps()
+        if fresh_start and committed:
+            self._start_fresh(job, committed)
+        for step in self.steps()[1]:
+            log.info("removing %s: an interrupted save", self.where(step_name(step)))
+            self.remove(step_name(step))
+        for name in RUN_FILES:
+            try:
+                self.download(name, os.path.join(self.local, name))
+            except FileNotFoundError:
+                pass
+        self.remove(STOP_RECORD)  # a new launch, not a restart of a job a signal stopped (stop.py)
+        self.lock.start_heartbeat()
+
+    def _commit_finished(self, step: int) -> None:
+        folder = os.path.join(self.local, ".finished", step_name(step))
+        try:
+            self.download(f"{step_name(step)}/{receipt_file(0)}", os.path.join(folder, receipt_file(0)))
+            world_size, first = read_receipt(folder, 0)["world_size"], read_receipt(folder, 0)
+            files = dict(first["files"])
+            for rank in range(1, world_size):
+                self.download(f"{step_name(step)}/{receipt_file(rank)}", os.path.join(folder, receipt_file(rank)))
+                files.update(read_receipt(folder, rank)["files"])
+            manifest = new_manifest(
+                self.where(step_name(step)), step, world_size, files, first["job"], first.get("frozen_in")
+            )
+            self.commit(step, manifest)
+            log.info(
+                "committed %s: every rank's part of it was uploaded before its job ended", self.where(step_name(step))
+            )
+        except (OSError, SnapshotError, TypeError, KeyError) as exc:
+            log.debug("not committing %s: %s", self.where(step_name(step)), exc)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _start_fresh(self, job: str, committed: list[int]) -> None:
+        newest = self.read_manifest(committed[0])
+        if job and newest is not None and newest["job"] == job:
+            return  # a restart of this same job resumes
+        aside = f"{self.root}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
+        for name in [step_name(step) for step in committed] + list(RUN_FILES):
+            if self.fs.exists(self.path(name)):
+                move = lambda n=name: self.fs.mv(self.path(n), f"{aside}/{n}", recursive=True)  # noqa: E731
+                _retried(move, f"moving {name} aside")
+        log.warning(
+            "starting afresh: moved what %s held (snapshots up to step %d) aside to %s", self.url, committed[0], aside
+        )
+
+    def read_manifest(self, step: int) -> dict | None:
+        folder = os.path.join(self.local, ".manifests", step_name(step))
+        try:
+            self.download(f"{step_name(step)}/{MANIFEST}", os.path.join(folder, MANIFEST))
+            return read_manifest(folder)
+        except (OSError, SnapshotError):
+            return None
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def commit(self, step: int, manifest: dict) -> None:
+        """Write the manifest last, once every object it lists is on the store at its size."""
+        self.fs.invalidate_cache()
+        for name, entry in manifest["files"].items():
+            size = _retried(lambda n=name: self.fs.info(self.path(step_name(step), n))["size"], f"checking {name}")
+            if size != entry["size"]:
+                raise SnapshotError(f"{self.where(step_name(step), name)} is {size} bytes, not {entry['size']}")
+        if self.lock is not None and self.lock.lost:
+            raise SnapshotError(f"not committing {self.where(step_name(step))}: {self.lock.lost}")
+        self.put_json(f"{step_name(step)}/{MANIFEST}", manifest)
+
+    def prune(self, keep: int) -> None:
+        """Keep the newest `keep` snapshots and those whose frozen parameters a kept one refers to."""
+        committed = self.steps()[0]
+        needed = set(committed[:keep])
+        for step in committed[:keep]:
+            manifest = self.read_manifest(step)
+            if manifest is not None:
+                needed.add(manifest.get("frozen_in", step))
+        for step in committed:
+            if step not in needed:
+                self.remove(f"{step_name(step)}/{MANIFEST}")  # uncommit first: a half-removed one is never loaded
+                self.remove(step_name(step))
+
+    # -- loading ---------------------------------------------------------------------------------------------------
+
+    def pull(self, step: int, folder: str) -> str | None:
+        """Download a committed snapshot (and the one holding its frozen parameters) into `folder`, every object
+        checked against its manifest; why it is unusable, or None."""
+        todo, done = [step], set()
+        try:
+            while todo:
+                step = todo.pop()
+                done.add(step)
+                local = os.path.join(folder, step_name(step))
+                self.download(f"{step_name(step)}/{MANIFEST}", os.path.join(local, MANIFEST))
+                manifest = read_manifest(local)
+                for name in manifest["files"]:
+                    self.download(f"{step_name(step)}/{name}", os.path.join(local, name))
+                    check_file(local, manifest, name)
+                if manifest.get("frozen_in", step) not in done:
+                    todo.append(manifest["frozen_in"])
+        except FileNotFoundError as exc:
+            return f"{self.where(step_name(step))}: an object is missing ({exc})"
+        except (OSError, SnapshotError) as exc:
+            return str(exc)
+        return None
+
+    def close(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def load_latest_url(url: str, rank: int | None, load_folder):
+    """load_latest for a store: the newest snapshot whose objects all check out, downloaded to a temp folder."""
+    store = Store(url, 0)
+    folder = tempfile.mkdtemp(prefix="snapshot-load-")
+    reasons = []
+    for step in store.steps()[0]:
+        reason = store.pull(step, folder)
+        if reason is None:
+            return load_folder(folder, rank)  # the files stay: an fsdp snapshot's shards are read from there
+        log.warning("skipping snapshot %s: %s", store.where(step_name(step)), reason)
+        reasons.append(reason)
+        shutil.rmtree(os.path.join(folder, step_name(step)), ignore_errors=True)
+    if reasons:
+        raise SnapshotError(f"no usable snapshot in {url}: " + "; ".join(reasons))
+    return None
+
+
+class Uploader:
+    """This rank's background uploads, one save after another, in order; rank 0 commits each and prunes."""
+
+    def __init__(self, store: Store, rank: int, world_size: int, keep: int, commit_timeout: float):
+        self.store, self.rank, self.world_size, self.keep = store, rank, world_size, keep
+        self.commit_timeout = commit_timeout
+        self._queue: queue.Queue = queue.Queue()
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._error: BaseException | None = None
+        self._warned = False
+        self.closed = False
+        threading.Thread(target=self._run, name="snapshot-upload", daemon=True).start()
+
+    def submit(self, step: int) -> None:
+        with self._idle:
+            if self._pending and not self._warned:
+                self._warned = True
+                log.warning(
+                    "the previous snapshot is still being uploaded to %s when step %d is saved: the store is slow, "
+                    "snapshots come late (training goes on)",
+                    self.store.url,
+                    step,
+                )
+            self._pending += 1
+        self._queue.put(step)
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every submitted save is uploaded (and committed on rank 0); raise the first failure."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._pending and self._error is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._idle.wait(left)
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _run(self):
+        while True:
+            step = self._queue.get()
+            try:
+                if self._error is None and not self.closed:
+                    self._upload(step)
+            except BaseException as exc:
+                self._error = exc if isinstance(exc, SnapshotError) else SnapshotError(first_line(exc))
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
+
+    def _upload(self, step: int) -> None:
+        folder = os.path.join(self.store.local, step_name(step))
+        receipt = read_receipt(folder, self.rank)
+        for name, entry in receipt["files"].items():
+            self.store.upload(os.path.join(folder, name), f"{step_name(step)}/{name}", entry)
+        own = receipt_file(self.rank)
+        with open(os.path.join(folder, own), "rb") as handle:
+            data = handle.read()
+        entry = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        self.store.upload(os.path.join(folder, own), f"{step_name(step)}/{own}", entry)
+        if self.rank == 0:
+            self._commit(step, folder, receipt)
+        shutil.rmtree(folder, ignore_errors=True)
+
+    def _commit(self, step: int, folder: str, first: dict) -> None:
+        files = dict(first["files"])
+        deadline = time.monotonic() + self.commit_timeout
+        for rank in range(1, self.world_size):
+            name = f"{step_name(step)}/{receipt_file(rank)}"
+            while True:
+                try:
+                    self.store.download(name, os.path.join(folder, receipt_file(rank)))
+                    break
+                except FileNotFoundError:
+                    if time.monotonic() > deadline or self.closed:
+                        raise SnapshotError(
+                            f"rank {rank}'s part of {self.store.where(step_name(step))} was not uploaded within "
+                            f"{self.commit_timeout:.0f} s"
+                        ) from None
+                    time.sleep(0.1)
+            files.update(read_receipt(folder, rank)["files"])
+        manifest = new_manifest(
+            self.store.where(step_name(step)), step, self.world_size, files, first["job"], first.get("frozen_in")
+        )
+        if self.closed:
+            raise SnapshotError(f"not committing {self.store.where(step_name(step))}: the job ended first")
+        self.store.commit(step, manifest)
+        for name in RUN_FILES:
+            if os.path.exists(os.path.join(self.store.local, name)):
+                with open(os.path.join(self.store.local, name), "rb") as handle:
+                    data = handle.read()
+                _retried(lambda d=data, n=name: self.store.fs.pipe_file(self.store.path(n), d), f"writing {name}")
+        self.store.prune(self.keep)
