@@ -179,13 +179,13 @@ def prepare_data(cfg):
     if os.environ.get("PREPARE_FAILS"):
         raise ValueError("no such dataset on the hub")
     time.sleep(4)  # longer than --dist-timeout: the other rank must wait anyway
-    (PREPARED / "cache").write_text(str(cfg.dataset_size))
+    (PREPARED / "cache").write_text(str(cfg.seed))
 
 
 def build_datasets(cfg):
     with open(PREPARED / "built", "a") as built:
         built.write(os.environ.get("RANK", "0") + "\\n")
-    cfg.dataset_size = int((PREPARED / "cache").read_text())  # what prepare_data wrote, on every rank
+    assert int((PREPARED / "cache").read_text()) == cfg.seed  # what prepare_data wrote, read on every rank
     return whole_datasets(cfg)
 """
 
