@@ -36,7 +36,7 @@ import train
 from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
 from {{ cookiecutter.project_slug }}.machinery.snapshot import SHARED, SnapshotError, Snapshots, load_latest, step_name
 
-ARGS = QUICK + ["--max-steps", "120", "--snapshot-every", "20"]  # test_fault_tolerance.py's: one reference run
+ARGS = QUICK + ["--max-steps", "120", "--snapshot-every", "20"]
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 needs_s3 = pytest.mark.skipif(
     not all(importlib.util.find_spec(name) for name in ("s3fs", "moto", "boto3")),
