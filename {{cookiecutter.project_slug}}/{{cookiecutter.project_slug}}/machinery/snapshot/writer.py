@@ -111,10 +111,9 @@ class Snapshots(SnapshotFolder):
         """
         self._wait_written()  # not for uploads to a store: they go on in the background (store.py)
         shared = shared if self.env.is_main else None
-        try:
-            own = self._write_own_part(step, rank_state, alone=shared is None and sharded_state is None)
-        except Exception as exc:
-            raise self._failure(exc) from exc
+        own = self._as_save_failure(
+            lambda: self._write_own_part(step, rank_state, alone=shared is None and sharded_state is None)
+        )
         device_copies = DeviceCopies(self._pinned, self._copy_streams)
         shards, layouts = split_dtensors(sharded_state) if sharded_state is not None else (None, {})
         if torch.cuda.is_initialized():  # no CUDA tensor can exist before CUDA is initialized
@@ -147,10 +146,7 @@ class Snapshots(SnapshotFolder):
         """Return once the save in flight is written (and, on rank 0, committed); raise if it failed."""
         self._wait_written()
         if self.uploads is not None:
-            try:
-                self.uploads.drain()
-            except Exception as exc:
-                raise self._failure(exc) from exc
+            self._as_save_failure(self.uploads.drain)
 
     def _wait_written(self) -> None:
         if self._thread is not None:
@@ -159,10 +155,14 @@ class Snapshots(SnapshotFolder):
         self._device_copies = None  # the writer waited for them (or failed before they mattered)
         self._raise_error()
         if self.uploads is not None:
-            try:
-                self.uploads.raise_error()
-            except Exception as exc:
-                raise self._failure(exc) from exc
+            self._as_save_failure(self.uploads.raise_error)
+
+    def _as_save_failure(self, call: Any) -> Any:
+        """`call()`, with an error it raises told as a failed save (SnapshotError, in words)."""
+        try:
+            return call()
+        except Exception as exc:
+            raise self._failure(exc) from exc
 
     def settle(self, grace: float) -> None:
         """After a failure: give the save in flight up to `grace` seconds to be written and, on rank 0, committed,
