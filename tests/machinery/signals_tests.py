@@ -11,7 +11,7 @@ import signal
 import time
 
 import pytest
-from conftest import finish, logged_steps, outputs, run, start, summary, train_cmd, wait_for, worker_pids
+from conftest import child_env, finish, logged_steps, outputs, run, start, summary, train_cmd, wait_for, worker_pids
 
 LONG = ["--wandb", "disabled", "--log-every", "5", "--max-steps", "3000", "--snapshot-every", "1000"]
 
@@ -68,7 +68,8 @@ def test_ctrl_c_saves_a_snapshot_at_the_next_step(tmp_path):
 
 
 def test_a_hung_rank_leaves_the_stacks_of_the_waiting_ranks_in_their_logs(tmp_path):
-    proc = start(train_cmd(2) + LONG + ["--dist-timeout", "8"] + outputs(tmp_path))
+    # Cold starts: the pid torchrun started is the rank itself (a warm one's stand-in would stop, not the rank).
+    proc = start(train_cmd(2) + LONG + ["--dist-timeout", "8"] + outputs(tmp_path), env=child_env(WARM_START_POOL=""))
     wait_for(lambda: any(step >= 20 for step in logged_steps(tmp_path)), timeout=120, what="step 20")
     hung = worker_pids(proc.pid)[1]
     os.kill(hung, signal.SIGSTOP)

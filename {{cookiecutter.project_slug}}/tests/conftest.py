@@ -94,8 +94,27 @@ def _in_process_only(request, monkeypatch):
         monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", data_loader_workers_only)
 
 
+# Every run a test starts skips torch's imports (2-3 s of CPU per rank, most of a short run): train.py hands itself
+# to a standing zygote this test process starts once (machinery/warmstart.py's serve_pool), as a torchrun restart
+# hands itself to its job's. Tests of cold starts, of the job's own zygote or under a debugger (which is never
+# forked) start cold: child_env(WARM_START_POOL="").
+_POOL = {}
+
+
+def warm_pool():
+    """The name of this test process's standing zygote; started on first use (until it is up, runs start cold)."""
+    if not _POOL:
+        name = f"{os.getpid()}-{random.SystemRandom().getrandbits(48):x}"
+        script = f"from {PACKAGE}.machinery import warmstart; warmstart.serve_pool({name!r})"
+        env = child_env(WARM_START_POOL="")
+        _POOL[name] = subprocess.Popen(
+            [sys.executable, "-c", script], env=env, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+    return next(iter(_POOL))
+
+
 def child_env(**extra):
-    dropped = ("DEBUG_", "WANDB_", "TORCHELASTIC_", "WARM_RESTART")
+    dropped = ("DEBUG_", "WANDB_", "TORCHELASTIC_", "WARM_RESTART", "WARM_START")
     env = {k: v for k, v in os.environ.items() if not k.startswith(dropped)}
     for key in (
         "RANK",
@@ -108,6 +127,8 @@ def child_env(**extra):
     ):
         env.pop(key, None)
     env.update({"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)})
+    if "WARM_START_POOL" not in extra:
+        env["WARM_START_POOL"] = warm_pool()
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

@@ -93,7 +93,8 @@ def test_sigkilled_workers_are_restarted_and_the_job_ends_bitwise_equal(tmp_path
     """Rank 1 is SIGKILLed after the first snapshot, then rank 0 in the restarted attempt: each restart recovers.
     The rank that survives the first kill leaves promptly: a restart waits for it."""
     reference = reference_runs(ARGS)
-    env = child_env(WANDB_DIR=tmp_path, WANDB_SILENT="true", RECORD_STARTS=tmp_path / "starts")
+    # Cold first starts (no standing zygote): the restarts are the job's own zygote's to make warm.
+    env = child_env(WANDB_DIR=tmp_path, WANDB_SILENT="true", RECORD_STARTS=tmp_path / "starts", WARM_START_POOL="")
     cmd = train_cmd(2, ["--max-restarts=3"], script="tests/fault_injection.py")
     launched = time.monotonic()
     proc = start(cmd + ARGS + ["--wandb", "offline"] + outputs(tmp_path), env=env)

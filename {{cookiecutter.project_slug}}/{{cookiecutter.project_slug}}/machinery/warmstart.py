@@ -44,6 +44,7 @@ from typing import Any, NoReturn
 from . import identity, parentdeath
 
 ENV_SWITCH = "WARM_RESTART"  # "0": every restart is cold
+ENV_POOL = "WARM_START_POOL"  # names a standing zygote (serve_pool) that serves first starts too
 NAME = "warm-restart"  # the zygote's process name (ps -o comm, top): it trains nothing itself
 PR_SET_NAME = 15  # from <linux/prctl.h>
 FORWARDED = tuple(
@@ -149,11 +150,13 @@ def handoff() -> None:
     """At the top of train.py: in a torchrun restart, run this rank in a child of the job's zygote.
 
     Returns at once where there is none (the worker then starts cold); otherwise this process stays the rank's
-    stand-in and exits when the child does, with its exit code or signal.
+    stand-in and exits when the child does, with its exit code or signal. With WARM_START_POOL set, first starts
+    and `python train.py` too run in a child of that standing zygote (serve_pool).
     """
-    if identity.warm_child() or not identity.torchrun_worker() or not enabled():
+    pool = os.environ.get(ENV_POOL, "")
+    if identity.warm_child() or not (pool or identity.torchrun_worker()) or not enabled():
         return
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
+    if not pool and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
         return  # a first attempt: no zygote yet
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     module = spec.name if spec is not None else None  # python -m package.module
@@ -163,7 +166,7 @@ def handoff() -> None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.settimeout(30)  # a zygote that does not answer: start cold
     try:
-        conn.connect(_address(agent, os.environ["TORCHELASTIC_RUN_ID"]))
+        conn.connect(_pool_address(pool) if pool else _address(agent, os.environ["TORCHELASTIC_RUN_ID"]))
         request = {
             "argv": sys.argv,
             "module": module,
@@ -211,6 +214,33 @@ def stop(agent: int, run_id: str) -> None:
             pass
 
 
+def _pool_address(name: str) -> str:
+    return "\0warm-start-pool-" + name
+
+
+def serve_pool(name: str) -> None:
+    """Be a standing zygote named `name` for as long as the parent process lives (a test session, a notebook):
+    each train.py started with WARM_START_POOL=name in its environment, a first start or a restart, under torchrun
+    or not, runs in a fork of it and skips the imports (2-3 s of CPU). Returns at once where it cannot serve.
+    """
+    if not enabled():
+        return
+    package = __name__.split(".")[0]
+    for module in ("torch._dynamo", f"{package}.machinery.trainer", f"{package}.machinery.debugflags"):
+        importlib.import_module(module)  # what every run imports, installed packages included
+    torch = sys.modules["torch"]
+    if threading.active_count() > 1 or torch.cuda.is_initialized():
+        return  # a fork copies only the calling thread; a CUDA context does not survive fork()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(_pool_address(name))
+        listener.listen(64)
+    except OSError:
+        listener.close()
+        return  # served already
+    _Zygote(listener, os.getppid(), pool=True).run()
+
+
 def _frame(request: dict[str, Any]) -> bytes:
     """A request to the zygote: its length, then its JSON."""
     payload = json.dumps(request).encode()
@@ -248,18 +278,21 @@ class _Client:
 class _Zygote:
     """One process per machine and job, single-threaded: forks a child per request, reports how it ended."""
 
-    def __init__(self, listener: socket.socket, agent: int) -> None:
+    def __init__(self, listener: socket.socket, agent: int, pool: bool = False) -> None:
         self.listener = listener
-        self.agent = agent
+        self.agent = agent  # the zygote lives as long as this process: the job's agent, or the pool's parent
+        self.pool = pool  # serves any job (else only its agent's)
         self.selector = selectors.DefaultSelector()
         self.clients: dict[int, _Client] = {}  # by child pid
         self.pidfds = hasattr(os, "pidfd_open")
         with open("/proc/self/comm", "rb") as handle:
             self.name = handle.read().strip()  # the interpreter's: the children take it back
+        self.python_path = os.environ.get("PYTHONPATH", "")
 
     def run(self) -> None:
         _set_name(NAME.encode())
-        _rewrite_command_line([f"{NAME} for torchrun pid {self.agent}"], scrub_environment=True)
+        title = f"{NAME} pool for pid {self.agent}" if self.pool else f"{NAME} for torchrun pid {self.agent}"
+        _rewrite_command_line([title], scrub_environment=True)
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):  # hold none of the worker's pipes or log files open
             os.dup2(devnull, fd)
@@ -329,7 +362,8 @@ class _Zygote:
         if request.get("quit"):
             conn.close()
             return True
-        if len(fds) != 3 or request.get("executable") != sys.executable or request.get("agent") != self.agent:
+        ours = self.pool or request.get("agent") == self.agent
+        if len(fds) != 3 or request.get("executable") != sys.executable or not ours:
             conn.sendall(b'{"refused": "another interpreter or job"}\n')
             for fd in fds:
                 os.close(fd)
@@ -423,7 +457,8 @@ class _Zygote:
             os.environ.clear()
             os.environ.update(request["env"])
             os.environ[identity.ENV_WORKER] = str(stand_in)
-            os.environ[identity.ENV_AGENT] = str(self.agent)
+            os.environ[identity.ENV_AGENT] = str(request["agent"])
+            _use_python_path(self.python_path, os.environ.get("PYTHONPATH", ""))
             for signum in FORWARDED:
                 signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
             argv = list(request["argv"])
@@ -491,6 +526,14 @@ def _kill_group(pid: int, signum: int) -> None:
             os.kill(pid, signum)
         except OSError:
             pass
+
+
+def _use_python_path(before: str, now: str) -> None:
+    """Put the request's PYTHONPATH in sys.path where the zygote's was, as a fresh interpreter would have it."""
+    dropped = {form for entry in before.split(os.pathsep) if entry for form in (entry, os.path.abspath(entry))}
+    sys.path[1:] = [entry for entry in sys.path[1:] if entry not in dropped]
+    entries = [os.path.abspath(entry) for entry in now.split(os.pathsep) if entry]
+    sys.path[1:1] = [entry for entry in entries if entry not in sys.path]
 
 
 def _forget_project_modules() -> None:
