@@ -3,7 +3,7 @@
 Free-text answers (project name, description, author) can hold quotes, backslashes and any unicode.
 They are never pasted into generated files as raw text: `py_str` renders a Python string literal and
 `toml_str` a TOML basic string, both valid for every input. `py_slug` derives the default package name
-from the project name.
+from the project name, and `k8s_name` a Kubernetes object name from the package name.
 """
 
 import keyword
@@ -72,3 +72,18 @@ def py_slug(value):
     if not slug.isidentifier() or keyword.iskeyword(slug) or keyword.issoftkeyword(slug):
         slug = "project_" + slug
     return slug
+
+
+@simple_filter
+def k8s_name(value):
+    """A Kubernetes object name derived from a slug: `zoës_net` gives `zoes-net`.
+
+    A PyTorchJob's name must be a DNS-1035 label (lower-case ASCII letters, digits and `-`, starting with a letter),
+    and its pods and services are named `<name>-worker-<index>`, which must stay within 63 characters: accents are
+    dropped, every other run of characters becomes `-`, and the name is cut to 40 characters.
+    """
+    text = unicodedata.normalize("NFKD", str(value)).encode("ascii", "ignore").decode().lower()
+    name = re.sub(r"[^a-z0-9]+", "-", text).strip("-")
+    if not name[:1].isalpha():
+        name = ("job-" + name).strip("-")
+    return name[:40].rstrip("-")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 AWKWARD = {
@@ -281,6 +282,8 @@ def test_slug_derived_from_a_name_with_punctuation_is_a_valid_identifier(tmp_pat
     assert json.loads((project / ".cookiecutter.json").read_text(encoding="utf-8"))["project_slug"] == slug
     assert run_in(project, "-c", f"import {slug}; print({slug}.__name__)").stdout.strip() == slug
     assert name in (project / "README.md").read_text(encoding="utf-8")
+    job_name = yaml.safe_load((project / "scripts" / "pytorchjob.yaml").read_text())["metadata"]["name"]
+    assert re.fullmatch(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?", job_name), job_name  # what Kubernetes accepts
 
 
 def test_awkward_text_bakes_into_valid_python_toml_and_json(tmp_path):
@@ -373,6 +376,8 @@ def test_nproc_and_debug_port_reach_every_place_that_uses_them(tmp_path):
     assert "--nproc_per_node=4" in f5["args"]
     assert "6003" in (project / ".vscode" / "launch.json").read_text()
     assert "--nproc_per_node=4" in (project / "README.md").read_text()
+    job = yaml.safe_load((project / "scripts" / "pytorchjob.yaml").read_text())
+    assert job["spec"]["nprocPerNode"] == "4"
     shown = run_in(
         project, "-c", "from ddp_project.machinery import baked; print(baked.NPROC_PER_NODE, baked.DEBUG_PORT)"
     )
