@@ -108,7 +108,13 @@ def warm_pool():
         script = f"from {PACKAGE}.machinery import warmstart; warmstart.serve_pool({name!r})"
         env = child_env(WARM_START_POOL="")
         _POOL[name] = subprocess.Popen(
-            [sys.executable, "-c", script], env=env, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True
+            [sys.executable, "-c", script],
+            env=env,
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
     return next(iter(_POOL))
 

@@ -228,6 +228,11 @@ def serve_pool(name: str) -> None:
     package = __name__.split(".")[0]
     for module in ("torch._dynamo", f"{package}.machinery.trainer", f"{package}.machinery.debugflags"):
         importlib.import_module(module)  # what every run imports, installed packages included
+    for module in (f"{package}.model", f"{package}.data"):
+        try:  # and the packages the project's model and data use (transformers, datasets, ...)
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001, S112 - a run that imports it says what is wrong
+            continue
     torch = sys.modules["torch"]
     if threading.active_count() > 1 or torch.cuda.is_initialized():
         return  # a fork copies only the calling thread; a CUDA context does not survive fork()
