@@ -25,6 +25,7 @@ every flag off both return at once, so the loop costs what it did without them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -119,24 +120,21 @@ def _replay_from_store(cfg: Any, env: DistEnv, step: int) -> Any:
     scratch = os.path.join(
         tempfile.gettempdir(), f"{os.path.basename(store.local).rsplit('-rank', 1)[0]}.replay-{step}"
     )
-    problem = None
-    if env.is_main:
+
+    def pull() -> None:
         kept = store.steps()[0]
         shutil.rmtree(scratch, ignore_errors=True)
-        if step not in kept:
-            problem = (
-                f"{store.url} keeps no snapshot of step {step} (it keeps {', '.join(map(str, sorted(kept))) or 'none'})"
+        problem = store.pull(step, scratch) if step in kept else f"{store.url} keeps no snapshot of step {step}"
+        if problem:
+            listed = ", ".join(map(str, sorted(kept))) or "none"
+            raise RunError(
+                f"{flag('resume_from')} {step}: {problem}" + ("" if step in kept else f" (it keeps {listed})")
             )
-        else:
-            problem = store.pull(step, scratch)
-            for name in (RUN_FILE, "config.toml") if problem is None else ():
-                try:
-                    store.download(name, os.path.join(scratch, name))
-                except FileNotFoundError:
-                    pass
-    problem = distributed.broadcast_object(env, problem)
-    if problem:
-        raise RunError(f"{flag('resume_from')} {step}: {problem}")
+        for name in (RUN_FILE, "config.toml"):
+            with contextlib.suppress(FileNotFoundError):
+                store.download(name, os.path.join(scratch, name))
+
+    distributed.decided_on_rank_0(env, pull, RunError)
     log.log(
         logging.INFO if env.is_main else logging.DEBUG,
         "replaying from the snapshot of step %d in %s: snapshots and export go to %s",

@@ -13,7 +13,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -330,6 +330,27 @@ def broadcast_object(env: DistEnv, obj: T) -> T:
     holder = [obj]
     dist.broadcast_object_list(holder, src=0, device=torch.device("cpu"))
     return holder[0]
+
+
+E = TypeVar("E", bound=Exception)
+
+
+def decided_on_rank_0(env: DistEnv, decide: Callable[[], T], error: type[E]) -> T:
+    """What `decide()` returns on rank 0, on every rank; where it raises `error`, every rank raises it alike.
+
+    For what only rank 0 can check (a folder it writes, a file it reads): the other ranks wait for its word, so
+    none goes on alone and each says the same.
+    """
+    problem, value = None, None
+    if env.is_main:
+        try:
+            value = decide()
+        except error as exc:
+            problem = str(exc)
+    problem, value = broadcast_object(env, (problem, value))
+    if problem is not None:
+        raise error(problem)
+    return cast(T, value)
 
 
 def broadcast_buffers(env: DistEnv, model: torch.nn.Module) -> None:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .distributed import DistEnv, broadcast_object
+from .distributed import DistEnv, decided_on_rank_0
 from .hooks import UserCode
 from .settings import RunError
 
@@ -163,18 +163,21 @@ def _listed(names: list[str]) -> str:
 def load(model: nn.Module, path: str, env: DistEnv) -> None:
     """The weights at `path` into `model`, in place, on every rank: rank 0 reads each tensor and broadcasts it."""
     groups = tied_groups(model)
-    weights, problem = None, None
-    if env.is_main:
+    opened: list[WeightsFile] = []  # rank 0's: it reads, the others receive each tensor
+
+    def open_checked() -> None:
         try:
-            weights = WeightsFile(path)
-            problem = misfit(groups, weights.shapes, path)
+            opened.append(WeightsFile(path))
         except WeightsError as exc:
-            problem = f"pretrained_weights in model.py: {exc}"
+            raise RunError(f"pretrained_weights in model.py: {exc}") from exc
         except Exception as exc:  # a file that is not what its name says: safetensors', torch's or json's error
-            problem = f"pretrained_weights in model.py: cannot read {path}: {type(exc).__name__}: {exc}"
-    problem = broadcast_object(env, problem)
-    if problem:
-        raise RunError(problem)
+            raise RunError(f"pretrained_weights in model.py: cannot read {path}: {type(exc).__name__}: {exc}") from exc
+        problem = misfit(groups, opened[0].shapes, path)
+        if problem:
+            raise RunError(problem)
+
+    decided_on_rank_0(env, open_checked, RunError)
+    weights = opened[0] if opened else None
     space: dict[str, torch.Tensor] = {}  # one buffer for every block: fresh ones would leave freed memory behind
     with torch.no_grad():
         for names, target in groups:

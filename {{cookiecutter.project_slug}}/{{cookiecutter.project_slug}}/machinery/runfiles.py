@@ -52,16 +52,17 @@ URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")  # s3://, gs://, file://, ...
 
 def check_paths(cfg: Any, env: DistEnv) -> None:
     """Refuse, on every rank alike, the path settings rank 0 cannot use: one line naming each bad flag."""
-    problems: list[str] = []
-    if env.is_main:
-        for name, kind, optional in PATH_SETTINGS:
-            if hasattr(cfg, name):
-                problem = path_problem(name, getattr(cfg, name), kind, optional)
-                if problem:
-                    problems.append(problem)
-    problems = distributed.broadcast_object(env, problems)
-    if problems:
-        raise RunError("; ".join(problems))
+
+    def check() -> None:
+        found = [
+            path_problem(name, getattr(cfg, name), kind, optional)
+            for name, kind, optional in PATH_SETTINGS
+            if hasattr(cfg, name)
+        ]
+        if any(found):
+            raise RunError("; ".join(problem for problem in found if problem))
+
+    distributed.decided_on_rank_0(env, check, RunError)
 
 
 def path_problem(name: str, value: str, kind: str, optional: bool) -> str | None:

@@ -44,16 +44,8 @@ def run_id(env: DistEnv, snapshot_dir: str) -> str:
     the folder aside, run.json with it, so a fresh start is a new run. Rank 0 reads or creates the file (with the
     folder's job lock held: call it after Snapshots.prepare); every rank gets the id, or the same error.
     """
-    problem, found = None, None
-    if env.is_main:
-        try:
-            found = _read_or_create_run_id(os.path.join(snapshot_dir, RUN_FILE))
-        except SnapshotError as exc:
-            problem = str(exc)
-    problem, found = distributed.broadcast_object(env, (problem, found))
-    if problem:
-        raise SnapshotError(problem)
-    return cast(str, found)
+    path = os.path.join(snapshot_dir, RUN_FILE)
+    return distributed.decided_on_rank_0(env, lambda: _read_or_create_run_id(path), SnapshotError)
 
 
 def _read_or_create_run_id(path: str) -> str:
