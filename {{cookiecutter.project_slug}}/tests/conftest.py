@@ -269,9 +269,10 @@ def rank_pids(accept):
     return found
 
 
-def project(tmp_path, model="", data=""):
-    """A copy of this project whose model.py and data.py end with `model` and `data` (later definitions win)."""
-    workspace = tmp_path / "project"
+def project(tmp_path, model="", data="", name="project"):
+    """A copy of this project in tmp_path/name whose model.py and data.py end with `model` and `data` (later
+    definitions win)."""
+    workspace = tmp_path / name
     shutil.copytree(ROOT / PACKAGE, workspace / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "train.py", workspace / "train.py")
     for name, extra in (("model.py", model), ("data.py", data)):

@@ -23,9 +23,10 @@ from conftest import (
     finish,
     free_port,
     logged_steps,
+    metrics,
     outputs,
+    project,
     start,
-    train_cmd,
     wait_for,
     worker_pids,
 )
@@ -124,26 +125,53 @@ def test_a_store_the_job_cannot_use_stops_it_at_start_up(tmp_path, bucket, monke
     assert not os.path.exists("s3:")
 
 
+def machine(tmp_path, name, port, node, args, nnodes=2, nproc=1):
+    """torchrun on one of `nnodes` "machines" of `nproc` ranks each, joined by a c10d rendezvous: its own copy of the
+    project, working folder, temp folder (where its ranks stage what they upload), log and metrics files. The
+    machines share only the rendezvous and the store. Returns (its folder, its agent)."""
+    folder = project(tmp_path, name=name)
+    (folder / "tmp").mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}"]
+    cmd += ["--max-restarts=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job-{port}"]
+    cmd += [f"--rdzv-conf=is_host={int(node == 0)}", str(folder / "train.py"), *args]
+    cmd += ["--log-file", str(folder / "run.log"), "--metrics-file", str(folder / "run-metrics.jsonl")]
+    return folder, start(cmd, env=child_env(PYTHONPATH=folder, TMPDIR=folder / "tmp"), cwd=folder)
+
+
 @needs_s3
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_sigkilled_job_resumes_from_the_store_bitwise_equal(tmp_path, bucket, reference_runs, strategy):
-    """Two ranks with no folder in common (each stages its own part), one SIGKILLed at a random moment; torchrun's
-    restart resumes from the store, and load_latest(url) gives the uninterrupted run's final model. The store
-    keeps two snapshots, the run id and config.toml."""
-    args = ARGS + (["--strategy", "fsdp"] if strategy == "fsdp" else [])
+def test_a_sigkilled_job_resumes_from_the_store_bitwise_equal(tmp_path, bucket, reference_runs, strategy, cleanup):
+    """Two ranks, a worker SIGKILLed at a random moment: torchrun restarts every rank, each resumes from the store,
+    and load_latest(url) gives the uninterrupted run's final model. ddp: on two machines of one rank each, with no
+    folder in common (each stages its own part); fsdp: on one machine. The store keeps two snapshots, the run id
+    and config.toml; the export is on the store too."""
+    # one thread per rank: the numerics of one machine of two ranks (the reference) and two machines of one
+    args = ARGS + ["--threads-per-rank", "1"] + (["--strategy", "fsdp"] if strategy == "fsdp" else [])
     reference = reference_runs(args)
     url, export = f"s3://{bucket}/run", f"s3://{bucket}/export"
-    files = ["--log-file", tmp_path / "run.log", "--metrics-file", tmp_path / "run-metrics.jsonl"]
-    files = [str(item) for item in files] + ["--export-dir", export, "--keep-snapshots", "2"]
-    cmd = train_cmd(2, ["--max-restarts=2"]) + args + files
-    proc = start(cmd + ["--snapshot-dir", url], env=child_env())
+    args += ["--snapshot-dir", url, "--export-dir", export, "--keep-snapshots", "2"]
+    port = free_port()
+    if strategy == "ddp":
+        machines = [machine(tmp_path, name, port, node, args) for node, name in enumerate(["machine-a", "machine-b"])]
+    else:
+        machines = [machine(tmp_path, "machine-a", port, 0, args, nnodes=1, nproc=2)]
+    cleanup.extend(agent for _, agent in machines)
     step = random.randint(25, 60)
-    wait_for(lambda: any(logged >= step for logged in logged_steps(tmp_path)), timeout=180, what=f"step {step}")
+    logged = lambda: [done for folder, _ in machines for done in logged_steps(folder)]  # noqa: E731 - rank 0's
+    wait_for(lambda: any(done >= step for done in logged()), timeout=180, what=f"step {step}")
     time.sleep(random.uniform(0, 0.3))
-    os.kill(worker_pids(proc.pid)[random.randrange(2)], signal.SIGKILL)
-    code, out = finish(proc)
-    assert code == 0, out[-5000:]
-    assert json.loads(store().cat_file(f"{bucket}/export/summary.json"))["resumed_from"] >= 20
+    _, victim = random.choice(machines)
+    os.kill(random.choice(list(worker_pids(victim.pid).values())), signal.SIGKILL)
+    for folder, agent in machines:
+        code, out = finish(agent)
+        assert code == 0, f"{folder.name} exited {code}:\n{out[-5000:]}"
+    done = json.loads(store().cat_file(f"{bucket}/export/summary.json"))
+    assert done["resumed_from"] >= 20 and (done["world_size"], done["steps"]) == (2, 120), done
+    # rank 0's metrics file, on whichever machine: one run's records, every logged step once (a restart that
+    # found no run id on the store, e.g. before its first commit, started another run and set them aside)
+    records = [record for folder, _ in machines for record in metrics(folder)]
+    assert [record["step"] for record in records] == list(range(5, 121, 5))
+    assert {record["run_id"] for record in records} == {done["run_id"]}
     assert_same_weights(reference["model"], load_latest(url)["model"])
     exported = torch.load(io.BytesIO(store().cat_file(f"{bucket}/export/model.pt")), weights_only=True)
     assert_same_weights(reference["model"], exported)

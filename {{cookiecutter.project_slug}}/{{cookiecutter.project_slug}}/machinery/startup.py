@@ -31,7 +31,7 @@ from .optim import (
     optimizer_warnings,
 )
 from .settings import RunError, flag
-from .snapshot import SnapshotError
+from .snapshot import RUN_FILE, SnapshotError
 from .state import ModelPart, ProgressPart, RngPart, TrainState, checked_parts
 from .step import Stepper
 from .stop import STOP_RECORD
@@ -82,6 +82,9 @@ def build_and_restore(trainer: Trainer) -> dict | None:
     cfg, env = trainer.cfg, trainer.env
     try:
         trainer.run_id = tracking.run_id(env, trainer.snapshots.directory)
+        # on a store at once, not with the first snapshot: a restart before that one is committed, whichever
+        # machine its rank 0 is on, continues this run id (and its metrics file, its wandb run)
+        trainer.snapshots.keep_beside(RUN_FILE)
         resumed = trainer.snapshots.resume()
     except SnapshotError as exc:
         raise RunError(str(exc)) from None

@@ -127,7 +127,8 @@ class SnapshotFolder:
         self.uploads = Uploader(self.store, self.env.rank, self.env.world_size, self.keep, timeout)
 
     def keep_beside(self, name: str) -> None:
-        """Rank 0: on a store, upload a file written beside the snapshots (stop.py's record) to the store too."""
+        """Rank 0: on a store, upload a file written beside the snapshots (the run id, stop.py's record) to the store
+        too."""
         if self.store is not None and self.env.is_main:
             path = os.path.join(self.directory, name)
             self.store.upload(path, name, {"size": os.path.getsize(path), "sha256": sha256_file(path)})
