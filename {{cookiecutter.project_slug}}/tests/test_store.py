@@ -211,9 +211,10 @@ def test_keep_snapshots_prunes_on_the_store(bucket):
 class FlakyLink:
     """A TCP relay to the S3 server that can go down: while down it closes every connection, open or new."""
 
-    def __init__(self, endpoint):
+    def __init__(self, endpoint, delay=0.0):
         self.target = int(endpoint.rsplit(":", 1)[1])
         self.down = False
+        self.delay = delay  # seconds before each chunk passes: a slow store
         self.open: list[socket.socket] = []
         self.server = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"http://127.0.0.1:{self.server.getsockname()[1]}"
@@ -235,10 +236,10 @@ class FlakyLink:
             for a, b in ((conn, upstream), (upstream, conn)):
                 threading.Thread(target=self._relay, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _relay(source, target):
+    def _relay(self, source, target):
         try:
             while data := source.recv(1 << 16):
+                time.sleep(self.delay)
                 target.sendall(data)
         except OSError:
             pass
@@ -270,6 +271,25 @@ def test_a_store_briefly_unreachable_delays_the_snapshots_not_the_saves(s3_serve
     finally:
         snapshots.close()
     assert load_latest(url)["step"] == 20 and store().exists(f"{bucket}/run/{step_name(10)}/manifest.json")
+
+
+@needs_s3
+def test_a_store_slower_than_the_snapshot_steps_gets_the_newest_snapshot_not_a_queue(
+    tmp_path, s3_server, bucket, monkeypatch
+):
+    """--snapshot-every 1 to a slow store: a snapshot step whose upload would queue behind the one before is
+    skipped (one WARNING), so uploads never pile up on disk or in time, and the run's last step is committed."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", FlakyLink(s3_server, delay=0.05).endpoint)
+    url = f"s3://{bucket}/run"
+    args = QUICK + ["--max-steps", "30", "--snapshot-every", "1", "--keep-snapshots", "100", "--eval-every", "0"]
+    files = ["--log-file", tmp_path / "run.log", "--metrics-file", tmp_path / "run-metrics.jsonl"]
+    train.main(args + [str(item) for item in files] + ["--export-dir", str(tmp_path / "export"), "--snapshot-dir", url])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+    committed = sorted(int(name.rsplit("-", 1)[1]) for name in store().ls(f"{bucket}/run") if "/step-" in name)
+    assert committed[-1] == 30 and len(committed) < 30 / 2, committed
+    assert load_latest(url)["step"] == 30
+    warnings = [line for line in (tmp_path / "run.log").read_text().splitlines() if " WARNING " in line and url in line]
+    assert len(warnings) == 1, warnings
 
 
 HOLDER = """

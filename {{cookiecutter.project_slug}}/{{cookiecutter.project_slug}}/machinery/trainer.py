@@ -204,6 +204,10 @@ class Trainer:
                 f"{nonfinite.rerun_advice(self)}"
             )
         step = self.progress.step
+        behind = self.snapshots.store is not None and not distributed.all_true(self.env, not self.snapshots.uploading())
+        if behind and not blocking:
+            self.snapshots.skip(step)  # a store slower than --snapshot-every: no queue of uploads builds up
+            return
         frozen_in = self.state.frozen.held_by(step)  # an older snapshot may hold the frozen parameters (frozen.py)
         shared, rank_state, sharded_state = self.state.capture(without_frozen=frozen_in not in (None, step))
         shared.update(

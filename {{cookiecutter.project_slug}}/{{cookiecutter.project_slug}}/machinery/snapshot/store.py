@@ -341,22 +341,18 @@ class Uploader:
         self._pending = 0
         self._idle = threading.Condition()
         self._error: BaseException | None = None
-        self._warned = False
         self.closed = False
         threading.Thread(target=self._run, name="snapshot-upload", daemon=True).start()
 
     def submit(self, step: int) -> None:
         with self._idle:
-            if self._pending and not self._warned:
-                self._warned = True
-                log.warning(
-                    "the previous snapshot is still being uploaded to %s when step %d is saved: the store is slow, "
-                    "snapshots come late (training goes on)",
-                    self.store.url,
-                    step,
-                )
             self._pending += 1
         self._queue.put(step)
+
+    def busy(self) -> bool:
+        """Whether a submitted save is not uploaded yet."""
+        with self._idle:
+            return self._pending > 0
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait until every submitted save is uploaded (and committed on rank 0); raise the first failure."""

@@ -90,6 +90,7 @@ class Snapshots(SnapshotFolder):
         self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}  # a side stream per CUDA device
         self._device_copies: DeviceCopies | None = None  # the save in flight's CUDA copies, until ordered
         self._give_up_at = math.inf  # when rank 0 stops waiting for the other ranks' parts (see settle)
+        self._said_late = False  # a WARNING said that snapshots come late (skip, or a save behind an upload)
 
     def save(
         self,
@@ -109,6 +110,8 @@ class Snapshots(SnapshotFolder):
         CUDA tensors are copied into pinned memory on a side stream, started here without waiting for the
         device (see DeviceCopies); the first save allocates those buffers.
         """
+        if self.uploading():
+            self._late(step, "waits for the one before to be uploaded: the store is slow")
         self._wait_written()  # not for uploads to a store: they go on in the background (store.py)
         shared = shared if self.env.is_main else None
         own = self._as_save_failure(
@@ -141,6 +144,32 @@ class Snapshots(SnapshotFolder):
             self._device_copies.order_training_stream()
             self._device_copies = None
         self._raise_error()
+
+    def uploading(self) -> bool:
+        """Whether this rank still stages or uploads an earlier snapshot to the store (False for a local folder)."""
+        staging = self._thread is not None and self._thread.is_alive()
+        return self.uploads is not None and (staging or self.uploads.busy())
+
+    def skip(self, step: int) -> None:
+        """Leave out the snapshot of `step`: an earlier one is still being uploaded (training calls this on every
+        rank alike, so that no queue of uploads builds up)."""
+        self._late(
+            step,
+            "is skipped: the one before is still being uploaded (uploads are slower than the snapshot "
+            "steps); the next snapshot step saves",
+        )
+
+    def _late(self, step: int, what: str) -> None:
+        """Say that snapshots come late: WARNING the first time (rank 0), DEBUG after."""
+        level = logging.WARNING if not self._said_late and self.env.is_main else logging.DEBUG
+        self._said_late = True
+        log.log(
+            level,
+            "the snapshot of step %d to %s %s; training goes on",
+            step,
+            self.store.url if self.store else self.directory,
+            what,
+        )
 
     def wait(self) -> None:
         """Return once the save in flight is written (and, on rank 0, committed); raise if it failed."""
