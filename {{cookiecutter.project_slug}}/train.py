@@ -85,7 +85,7 @@ def run(cfg: config.Config) -> Summary:
         log.info("rank %d of %d, backend %s, device %s", env.rank, env.world_size, env.backend, env.device)
         summary = trainer.train(cfg, env, jobs)
         finished = True
-    except faults.Refused as exc:  # a value of the user's code refused on this rank: the others may not meet it
+    except faults.BadUserValue as exc:  # a value of the user's code refused on this rank: the others may not meet it
         failed_here(env, faults.message(exc))
         raise SystemExit(2) from None
     except config.RunError as exc:

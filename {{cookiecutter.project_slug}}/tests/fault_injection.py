@@ -142,7 +142,7 @@ if FAULT == "desync_at_step" and RANK == FAULT_RANK:
 if os.environ.get("RUNNING_MEAN"):
     import torch
 
-    original_parallel = parallel.Parallel.__init__
+    original_parallel = parallel.DistributedModel.__init__
 
     def update_running_mean(module, inputs):
         if module.training:
@@ -155,7 +155,7 @@ if os.environ.get("RUNNING_MEAN"):
         model.register_forward_pre_hook(update_running_mean)
         original_parallel(self, model, *args, **kwargs)
 
-    parallel.Parallel.__init__ = with_running_mean
+    parallel.DistributedModel.__init__ = with_running_mean
 
 if FAULT == "crash_in_save" and RANK == FAULT_RANK:
     target = snapshot.MANIFEST if os.environ.get("FAULT_FILE") == "manifest" else snapshot.rank_file(RANK)

@@ -277,7 +277,7 @@ def weighted_step(rank, world_size, store_path, results):
         model = torch.nn.Linear(3, 1)
         user = types.SimpleNamespace(step=lambda m, b: token_sum(m, b), shard_units=None)
         cfg = types.SimpleNamespace(strategy="ddp", amp="off", compile=False, clip_grad=0.0)
-        wrapped = parallel.Parallel(model, cfg, env, user)
+        wrapped = parallel.DistributedModel(model, cfg, env, user)
         wrapped.wrap(resumed=True)  # a resumed job: one settling pass runs first, its gradients thrown away
         optimizer = torch.optim.SGD([model.weight], lr=1.0)  # the bias is not the optimizer's: still cleared
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)

@@ -118,7 +118,7 @@ def finished(job, timeout=300):
     return job.returncode, Path(job.output).read_text()
 
 
-def shown(out):
+def short_repr(out):
     """A failed job's output for the failure message: its end, after the first lines of a native crash (an abort's
     thread dump can fill the end)."""
     crash = ("terminate called", "Fatal Python error", "thread '")
@@ -192,7 +192,7 @@ def test_live_group_trains_on_while_a_killed_group_restarts_and_heals(tmp_path, 
     end = max(clock.last_step() for clock in clocks) + 10
     results = [finished(job) for job in group_jobs(port, args + ["--max-steps", str(end)], 0, tmp_path)]
     for group, (code, out) in enumerate(results):
-        assert code == 0, f"group {group}:\n{shown(out)}"
+        assert code == 0, f"group {group}:\n{short_repr(out)}"
     finals = [torch.load(tmp_path / "export" / f"group{g}" / "model.pt", weights_only=True) for g in range(GROUPS)]
     assert [clock.last_step() for clock in clocks] == [end] * GROUPS
     assert finals[0].keys() == finals[1].keys()

@@ -83,7 +83,7 @@ def test_a_url_whose_store_package_is_missing_is_refused_and_makes_no_local_fold
     import importlib.util
 
     from {{ cookiecutter.project_slug }}.config import Config
-    from {{ cookiecutter.project_slug }}.machinery import runfiles
+    from {{ cookiecutter.project_slug }}.machinery import outputs
     from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
     from {{ cookiecutter.project_slug }}.machinery.settings import RunError
 
@@ -93,7 +93,7 @@ def test_a_url_whose_store_package_is_missing_is_refused_and_makes_no_local_fold
     for name, url in [("snapshot_dir", "gs://bucket/run"), ("export_dir", "gs://bucket/export")]:
         cfg = Config(**{name: url})
         with pytest.raises(RunError) as refused:
-            runfiles.check_paths(cfg, DistEnv())
+            outputs.check_paths(cfg, DistEnv())
         assert f"--{name.replace('_', '-')}" in str(refused.value) and url in str(refused.value)
         assert "'.[gcs]'" in str(refused.value)
     assert list(tmp_path.iterdir()) == []

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import PACKAGE, QUICK, child_env, outputs, project, run, train_cmd
 
-from {{ cookiecutter.project_slug }}.machinery.faults import Refused
+from {{ cookiecutter.project_slug }}.machinery.faults import BadUserValue
 from {{ cookiecutter.project_slug }}.machinery.hooks import UserCode
 from {{ cookiecutter.project_slug }}.machinery.settings import RunError
 
@@ -427,7 +427,7 @@ def test_a_map_style_dataset_without_len_is_refused_at_start_up(user_code, which
 
 def test_items_of_different_sizes_with_the_default_collate_ask_for_collate_in_data_py(user_code):
     user = user_code()
-    with pytest.raises(Refused, match=r"collate\(items\) in data\.py"):
+    with pytest.raises(BadUserValue, match=r"collate\(items\) in data\.py"):
         user.collate([torch.zeros(3), torch.zeros(5)])
     assert user.collate([torch.zeros(3), torch.zeros(3)]).shape == (2, 3)
 
@@ -443,12 +443,12 @@ def test_a_loss_without_grad_and_an_empty_batch_are_named_before_backward(user_c
     )
     model = torch.nn.Linear(4, 3)
     batch = (torch.randn(2, 4), torch.tensor([0, 1]))
-    with pytest.raises(Refused, match="compute_loss.*does not require grad"):
+    with pytest.raises(BadUserValue, match="compute_loss.*does not require grad"):
         detached.step(model, batch)
     model.eval()
     assert detached.step(model, batch).loss.shape == ()  # evaluation needs no grad
     model.train()
-    with pytest.raises(Refused, match="0 items"):
+    with pytest.raises(BadUserValue, match="0 items"):
         user_code().step(model, (torch.randn(0, 4), torch.zeros(0, dtype=torch.long)))
 
 

@@ -29,12 +29,12 @@ Your rooms are one level up: model.py, data.py and config.py (the seam: machiner
     logs.py         rank-aware logging (one clean console, every rank's warnings)
     faults.py       an error in your code, in one line naming your function and line, on the rank it happened on
     tracking.py     experiment tracking (wandb on rank 0, the metrics file), the run id
-    runfiles.py     the files beside the snapshots belong to one run: path checks at start-up, the export folder
+    outputs.py      the files beside the snapshots belong to one run: path checks at start-up, the export folder
     joblock.py      one job per snapshot folder
     parentdeath.py  workers that do not outlive their torchrun agent
     identity.py     which process is which under torchrun: the job, the worker and its agent, a pid's start time
     warmstart.py    torchrun's restarts without importing torch again: each restarted rank runs in a fork of a
-                    process the job's first attempt left with torch imported
+                    process the job's first attempt left with torch imported (or of a standing one: serve_pool)
     watchdog.py     a hung rank's stacks, before the collective timeout
     debug.py        attach a debugger to chosen ranks (DEBUG_RANK)
     nonfinite.py    a NaN or infinite loss or gradient: the check at logs and snapshots, the replay naming its origin

@@ -20,14 +20,16 @@ from . import distributed
 from .batches import to_device
 from .distributed import DistEnv
 from .hooks import UserCode
-from .parallel import Parallel
+from .parallel import DistributedModel
 from .settings import RunError
 from .snapshot import capture_rng, restore_rng
 
 COUNT = " count"  # the sums' count, kept beside them under a name no val_metrics key can take
 
 
-def evaluate(val_data: Any, parallel: Parallel, user: UserCode, cfg: Any, env: DistEnv, beat) -> tuple[dict, int]:
+def evaluate(
+    val_data: Any, parallel: DistributedModel, user: UserCode, cfg: Any, env: DistEnv, beat
+) -> tuple[dict, int]:
     """({val_loss, val_<name>...}, samples evaluated); ({}, 0) without validation data. `beat` marks progress."""
     size = len(val_data) if val_data is not None else 0
     if size == 0:

@@ -4,7 +4,7 @@
   ERROR line, `compute_loss in model.py raised ValueError: ... (at pkg/model.py:60: <the line>)`, followed by the
   traceback once. An exception that came through a DataLoader worker carries only the worker's traceback as text:
   the user's frame is read from there.
-- `Refused`: a value of the user's code that the trainer refuses on this rank alone (what compute_loss returned,
+- `BadUserValue`: a value of the user's code that the trainer refuses on this rank alone (what compute_loss returned,
   an empty batch). Other ranks may not meet it, so this rank says it at ERROR; a plain RunError is met by every
   rank alike and rank 0 says it.
 - `PeerFailed`: this rank stops because another one failed, and knows which.
@@ -39,7 +39,7 @@ _FRAME = re.compile(
 _WORKER = re.compile(r"^Caught (?P<type>\w+) in DataLoader worker process \d+\.\nOriginal Traceback", re.S)
 
 
-class Refused(RunError):
+class BadUserValue(RunError):
     """A value of the user's code refused on this rank; other ranks may have met another value."""
 
 

@@ -42,7 +42,7 @@ import torch
 
 from . import distributed
 from .batches import tensors_in
-from .faults import PeerFailed, Refused, tag
+from .faults import BadUserValue, PeerFailed, tag
 from .settings import RunError
 
 log = logging.getLogger(__name__)
@@ -175,13 +175,13 @@ class UserCode:
         self._agreed = True
         try:
             result = self._step(model, batch)
-        except Refused as refusal:
+        except BadUserValue as refusal:
             self._agree(REFUSED, refusal)
             raise
         self._agree(TOKEN_WEIGHTED if result.is_sum else MEAN, None)
         return result
 
-    def _agree(self, kind: int, refusal: Refused | None) -> None:
+    def _agree(self, kind: int, refusal: BadUserValue | None) -> None:
         """Every rank's kind of the first step. Ranks that differ are told now, in one line, instead of meeting in
         different collectives (a sum's all-reduce, DDP's gradients) and waiting there until --dist-timeout.
         A refusal on every rank becomes one agreed error; on some ranks only, the others stop naming them."""
@@ -216,7 +216,7 @@ class UserCode:
             self._check_trainable(model, result)
             return result
         if not isinstance(batch, (list, tuple)) or len(batch) != 2:
-            raise Refused(
+            raise BadUserValue(
                 f"the items of the training data are not (inputs, target) pairs (a batch is a "
                 f"{type(batch).__name__}): define compute_loss(model, batch) in model.py for other shapes"
             )
@@ -227,7 +227,7 @@ class UserCode:
         mean = self.loss_fn(outputs, targets)
         if not isinstance(mean, torch.Tensor) or mean.numel() != 1:
             what = f"a tensor of shape {tuple(mean.shape)}" if isinstance(mean, torch.Tensor) else type(mean).__name__
-            raise Refused(f"loss_fn in model.py returned {what}: return the batch's mean loss, a scalar tensor")
+            raise BadUserValue(f"loss_fn in model.py returned {what}: return the batch's mean loss, a scalar tensor")
         sums = {}
         if self.val_metrics is not None and not model.training:
             sums = _sums(self.val_metrics(outputs, targets))
@@ -238,7 +238,7 @@ class UserCode:
     def _check_trainable(self, model: torch.nn.Module, result: StepResult) -> None:
         """A training loss that backward cannot go through, told here rather than by autograd's RuntimeError."""
         if model.training and torch.is_grad_enabled() and not result.loss.requires_grad:
-            raise Refused(
+            raise BadUserValue(
                 f"{self._step_name()} in model.py returned a loss that does not require grad: it was computed under "
                 "torch.no_grad() or inference_mode, detached, or made from .item() or a new tensor; compute it from "
                 "the model's outputs"
@@ -249,13 +249,15 @@ def as_step_result(value: Any, batch: Any) -> StepResult:
     """compute_loss's answer as a StepResult: a scalar mean (weighted by the batch's size), or {loss, count, ...}."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise Refused(f"compute_loss in model.py returned a tensor of shape {tuple(value.shape)}: return a scalar")
+            raise BadUserValue(
+                f"compute_loss in model.py returned a tensor of shape {tuple(value.shape)}: return a scalar"
+            )
         count = torch.as_tensor(_batch_size(batch), dtype=torch.float64, device=value.device)
         return StepResult(loss=value.reshape(()), count=count, sums={}, is_sum=False)
     if isinstance(value, dict) and "loss" in value and "count" in value:
         loss = value["loss"]
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise Refused("compute_loss in model.py returned a 'loss' that is not a scalar tensor: return its SUM")
+            raise BadUserValue("compute_loss in model.py returned a 'loss' that is not a scalar tensor: return its SUM")
         count = torch.as_tensor(value["count"], dtype=torch.float64, device=loss.device).reshape(())
         sums = {}
         for name, total in value.items():
@@ -263,10 +265,12 @@ def as_step_result(value: Any, batch: Any) -> StepResult:
                 continue
             total = torch.as_tensor(total, device=loss.device)
             if total.numel() != 1:
-                raise Refused(f"compute_loss in model.py returned {name!r} of shape {tuple(total.shape)}: not a sum")
+                raise BadUserValue(
+                    f"compute_loss in model.py returned {name!r} of shape {tuple(total.shape)}: not a sum"
+                )
             sums[name] = total.reshape(())
         return StepResult(loss=loss.reshape(()), count=count, sums=sums, is_sum=True)
-    raise Refused(
+    raise BadUserValue(
         f"compute_loss in model.py returned a {type(value).__name__}: return a scalar tensor (the batch's mean "
         "loss) or a dict with 'loss' (a SUM) and 'count' (what it sums over)"
     )
@@ -275,9 +279,11 @@ def as_step_result(value: Any, batch: Any) -> StepResult:
 def _sums(value: Any) -> dict[str, torch.Tensor]:
     """val_metrics' answer as {name: scalar tensor}; one line naming val_metrics and the key otherwise."""
     if not isinstance(value, Mapping):
-        raise Refused(f"val_metrics in model.py returned a {type(value).__name__}: return a dict of per-batch SUMS")
+        raise BadUserValue(
+            f"val_metrics in model.py returned a {type(value).__name__}: return a dict of per-batch SUMS"
+        )
     if "loss" in value:
-        raise Refused("val_metrics in model.py returns 'loss': that name is val_loss's (from loss_fn); rename it")
+        raise BadUserValue("val_metrics in model.py returns 'loss': that name is val_loss's (from loss_fn); rename it")
     sums = {}
     for name, total in value.items():
         try:
@@ -286,7 +292,7 @@ def _sums(value: Any) -> dict[str, torch.Tensor]:
             tensor = None
         if tensor is None or tensor.numel() != 1 or tensor.is_complex():
             what = f"of shape {tuple(tensor.shape)}" if tensor is not None else f"as a {type(total).__name__}"
-            raise Refused(
+            raise BadUserValue(
                 f"val_metrics in model.py returned {name!r} {what}: each value must be one real number, the batch's "
                 "SUM (e.g. correct.sum())"
             )
@@ -298,9 +304,11 @@ def _batch_size(batch: Any) -> int:
     """The number of samples in a batch: the first dimension of its first tensor."""
     leaves = tensors_in(batch)
     if not leaves or leaves[0].dim() == 0:
-        raise Refused("a batch holds no tensor with a batch dimension: return a dict with 'count' from compute_loss")
+        raise BadUserValue(
+            "a batch holds no tensor with a batch dimension: return a dict with 'count' from compute_loss"
+        )
     if leaves[0].shape[0] == 0:
-        raise Refused(
+        raise BadUserValue(
             "a batch of 0 items reached the step: collate(items) in data.py returned an empty batch (did it filter "
             "out every item?); keep at least one item per batch, or return {'loss': ..., 'count': 0} from "
             "compute_loss for a batch that has none"
@@ -400,7 +408,7 @@ def _default_collate(items: list) -> Any:
     except RuntimeError as exc:
         if "stack expects each tensor to be equal size" not in str(exc):
             raise
-        raise Refused(
+        raise BadUserValue(
             f"the items of a batch have different sizes ({exc}), and torch's default collate stacks them: write "
             "collate(items) in data.py to make one batch of them (pad them to the longest, or cut them to one length)"
         ) from None

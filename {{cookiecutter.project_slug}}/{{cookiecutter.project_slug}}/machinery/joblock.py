@@ -60,7 +60,7 @@ import threading
 import time
 
 from .identity import boot_id, current_job, process_alive, process_start
-from .settings import shown
+from .settings import short_repr
 
 log = logging.getLogger(__name__)
 
@@ -197,12 +197,12 @@ def _create_new(path: str, data: bytes, temp: str) -> bool:
 
 def describe(record: dict) -> str:
     """Who holds a lock, in words: host, pid, job and start time (values from the file as they are, cut short)."""
-    job = f", torchrun job {shown(record['job'], quote=False, limit=80)}" if record["job"] else ""
+    job = f", torchrun job {short_repr(record['job'], quote=False, limit=80)}" if record["job"] else ""
     try:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record["started"]))
     except (OverflowError, OSError, ValueError):
-        started = shown(record["started"], quote=False, limit=80)
-    host, pid = (shown(record[key], quote=False, limit=80) for key in ("host", "pid"))
+        started = short_repr(record["started"], quote=False, limit=80)
+    host, pid = (short_repr(record[key], quote=False, limit=80) for key in ("host", "pid"))
     return f"host {host}, pid {pid}{job}, started {started}"
 
 

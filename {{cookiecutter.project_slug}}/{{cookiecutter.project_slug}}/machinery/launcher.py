@@ -293,7 +293,7 @@ def _message(failure: Any) -> str:
 
 def _summary(export_dir: Path, started: float) -> dict[str, Any]:
     """Rank 0's summary.json of this launch: in the export folder, or in `<export-dir>.<run id>` where another
-    live job held the folder (runfiles.py)."""
+    live job held the folder (outputs.py)."""
     candidates = [export_dir / "summary.json", *export_dir.parent.glob(f"{export_dir.name}.*/summary.json")]
     written = []
     for path in candidates:

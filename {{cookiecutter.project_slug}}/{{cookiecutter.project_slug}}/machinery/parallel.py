@@ -1,6 +1,7 @@
 """The model across the ranks: DDP (--strategy ddp) or FSDP2 (--strategy fsdp), mixed precision, torch.compile.
 
-Snapshots and exports always use the unwrapped model (`Parallel.model`): its own state_dict, no `module.` prefix.
+Snapshots and exports always use the unwrapped model (`DistributedModel.model`): its own state_dict, no
+`module.` prefix.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _units(module: nn.Module, prefix: str, shared: dict[nn.Parameter, list[str]]
     return units
 
 
-class Parallel:
+class DistributedModel:
     """The user's model on this rank's device, sharded (fsdp) or wrapped (ddp), with autocast for --amp."""
 
     def __init__(self, model: nn.Module, cfg: Any, env: DistEnv, user: UserCode):
@@ -61,8 +62,8 @@ class Parallel:
         self.amp_dtype = AMP_DTYPES[cfg.amp]
         if self.sharded:
             self._shard()  # before the optimizer is built: it must hold the sharded parameters
-        self.wrapped: nn.Module = model  # what forward runs through: DDP's wrapper, or the (sharded) model
-        self.train_model: nn.Module = model  # the same, compiled when --compile
+        self.distributed: nn.Module = model  # what forward runs through: DDP's wrapper, or the (sharded) model
+        self.for_steps: nn.Module = model  # the same, compiled when --compile
         self._settle_pending = False
 
     def wrap(self, resumed: bool, with_other_jobs: bool = False) -> None:
@@ -74,9 +75,9 @@ class Parallel:
         trained on: each process settles its bucket order before its first step (settle_bucket_order)."""
         if (self.env.world_size > 1 or with_other_jobs) and not self.sharded:
             device_ids = [self.env.device.index] if self.env.device.type == "cuda" else None
-            self.wrapped = DistributedDataParallel(self.model, device_ids=device_ids, gradient_as_bucket_view=True)
+            self.distributed = DistributedDataParallel(self.model, device_ids=device_ids, gradient_as_bucket_view=True)
             self._settle_pending = resumed or with_other_jobs
-        self.train_model = cast(nn.Module, torch.compile(self.wrapped)) if self.cfg.compile else self.wrapped
+        self.for_steps = cast(nn.Module, torch.compile(self.distributed)) if self.cfg.compile else self.distributed
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.env.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
@@ -86,9 +87,9 @@ class Parallel:
         if self.sharded:  # FSDP reduce-scatters gradients on the last micro-step only
             cast(FSDPModule, self.model).set_requires_gradient_sync(last)
             return contextlib.nullcontext()
-        if last or not isinstance(self.wrapped, DistributedDataParallel):
+        if last or not isinstance(self.distributed, DistributedDataParallel):
             return contextlib.nullcontext()
-        return cast(DistributedDataParallel, self.wrapped).no_sync()
+        return cast(DistributedDataParallel, self.distributed).no_sync()
 
     def settle_bucket_order(self, batch: Any) -> None:
         """Give a resumed job's fresh DDP the gradient buckets an uninterrupted job has by now; once, before the
@@ -107,13 +108,13 @@ class Parallel:
             return
         self._settle_pending = False
         rng_state = capture_rng()
-        self.wrapped.eval()
+        self.distributed.eval()
         with self.autocast():
-            result = self.user.step(self.wrapped, batch)
+            result = self.user.step(self.distributed, batch)
         result.loss.backward()
         for parameter in self.model.parameters():  # every parameter's, not only those the optimizer holds
             parameter.grad = None
-        self.wrapped.train()
+        self.distributed.train()
         restore_rng(rng_state)
 
     def _shard(self) -> None:

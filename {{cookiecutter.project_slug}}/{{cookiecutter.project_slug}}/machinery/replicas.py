@@ -184,7 +184,7 @@ class ReplicaGroup(JobGroup):
         self.trainer, self.env = trainer, trainer.env
         self._start_manager(trainer.progress.step, distributed.collective_timeout(trainer.cfg))
         self._progress_at_quorum = dataclasses.asdict(trainer.progress)
-        self.attach(trainer.parallel.wrapped)  # the groups average the gradients during backward
+        self.attach(trainer.parallel.distributed)  # the groups average the gradients during backward
         distributed.barrier(self.env)  # every rank of the group is up before each starts watching the others
         self.watch_siblings()
 
@@ -317,7 +317,7 @@ class ReplicaGroup(JobGroup):
 
         buffer = bucket.buffer()
         ranks = self.env.world_size
-        if self._skipping:  # a backward whose gradients are thrown away (Parallel.settle_bucket_order)
+        if self._skipping:  # a backward whose gradients are thrown away (DistributedModel.settle_bucket_order)
             return _ready(buffer)
         if self.token_weighted:  # the groups' average waits until the step's gradients are scaled (_average_flat)
             return default_hooks.allreduce_hook(self._ddp_group, bucket) if ranks > 1 else _ready(buffer)

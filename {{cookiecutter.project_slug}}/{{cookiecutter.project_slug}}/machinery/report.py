@@ -1,6 +1,6 @@
 """What a run leaves for people: exported weights, the summary, the resolved settings, the progress bar.
 
-Where the weights and the summary go is the export folder that runfiles.ExportFolder claimed for the run."""
+Where the weights and the summary go is the export folder that outputs.ExportFolder claimed for the run."""
 
 from __future__ import annotations
 

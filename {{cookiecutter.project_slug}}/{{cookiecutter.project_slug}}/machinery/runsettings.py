@@ -25,7 +25,7 @@ RESUME_MODES = ("auto", "never")
 
 
 @dataclass
-class Training:
+class TrainingSettings:
     """training"""
 
     epochs: int = option(3, "passes over the dataset (ignored when --max-steps is set)", min=1)
@@ -49,7 +49,7 @@ class Training:
 
 
 @dataclass
-class Evaluation(Training):
+class EvaluationSettings:
     """evaluation and export"""
 
     eval_every: int = option(100, "evaluate every this many optimizer steps; 0 = only at the end", min=0)
@@ -62,7 +62,7 @@ class Evaluation(Training):
 
 
 @dataclass
-class Snapshots(Evaluation):
+class SnapshotSettings:
     """snapshots (fault tolerance)"""
 
     snapshot_dir: str = option(
@@ -86,7 +86,7 @@ class Snapshots(Evaluation):
 
 
 @dataclass
-class Tracking(Snapshots):
+class TrackingSettings:
     """logging and tracking"""
 
     log_every: int = option(10, "log the loss every this many optimizer steps", min=1)
@@ -105,7 +105,7 @@ class Tracking(Snapshots):
 
 
 @dataclass
-class Distributed(Tracking):
+class ProcessSettings:
     """processes and devices"""
 
     backend: str = option(baked.BACKEND, "process group backend: auto = nccl with CUDA, else gloo", choices=BACKENDS)
@@ -133,7 +133,7 @@ class Distributed(Tracking):
 
 
 @dataclass
-class RunSettings(Distributed):
+class DebugSettings:
     """finding bugs (docs/debugging.md)"""
 
     resume_from: int = option(
@@ -162,6 +162,14 @@ class RunSettings(Distributed):
         "parameters too); 0 = off",
         min=0,
     )
+
+
+@dataclass
+class RunSettings(
+    DebugSettings, ProcessSettings, TrackingSettings, SnapshotSettings, EvaluationSettings, TrainingSettings
+):
+    """Every setting of the engine: the groups above, in --help's order (a dataclass takes the fields of its bases
+    from the last one to the first)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -65,7 +65,7 @@ class Rules:
             problems = [problem for problem in map(items.problem, value) if problem]
             return problems[0] if problems else None
         if self.choices is not None and value not in self.choices:
-            return f"must be one of {', '.join(map(str, self.choices))}, got {shown(value)}"
+            return f"must be one of {', '.join(map(str, self.choices))}, got {short_repr(value)}"
         if self.nonempty and value == "":
             return "must not be empty"
         if isinstance(value, float) and self.finite and not math.isfinite(value):
@@ -77,14 +77,14 @@ class Rules:
         ]
         if all(COMPARISONS[sign](value, bound) for sign, bound in bounds):  # nan fails every comparison
             if type(value) is int and not -INT_LIMIT <= value < INT_LIMIT:
-                return f"must be an integer of at most 64 bits, got {shown(value)}"
+                return f"must be an integer of at most 64 bits, got {short_repr(value)}"
             return None
         allowed = " and ".join(f"{sign} {bound}" for sign, bound in bounds)
         why = f" ({self.reason})" if self.reason else ""
-        return f"must be {allowed}{why}, got {shown(value, quote=False)}"
+        return f"must be {allowed}{why}, got {short_repr(value, quote=False)}"
 
 
-def shown(value: Any, quote: bool = True, limit: int = 60) -> str:
+def short_repr(value: Any, quote: bool = True, limit: int = 60) -> str:
     """`value` for a one-line message: its repr, cut short when long. quote=False: a number, or a string of printable
     characters, as it is (str)."""
     try:
@@ -133,10 +133,10 @@ def step_range(text: str) -> tuple[int, int] | None:
         return None
     found = re.fullmatch(r"\s*([0-9]{1,18})\s*:\s*([0-9]{1,18})\s*", text)
     if found is None:
-        raise ValueError(f"must be A:B with whole numbers (optimizer steps, counted from 1), got {shown(text)}")
+        raise ValueError(f"must be A:B with whole numbers (optimizer steps, counted from 1), got {short_repr(text)}")
     start, end = int(found[1]), int(found[2])
     if not 1 <= start <= end:
-        raise ValueError(f"must be A:B with 1 <= A <= B, got {shown(text)}")
+        raise ValueError(f"must be A:B with 1 <= A <= B, got {short_repr(text)}")
     return start, end
 
 
@@ -327,7 +327,7 @@ def _from_toml(setting: Setting, value: Any) -> Any:
         if not isinstance(value, list):
             raise ValueError(
                 f"must be an array of {TYPE_WORDS[setting.type].removeprefix('a ').removeprefix('an ')}s"
-                f"{' or none' if setting.optional else ''}, got {_toml_kind(value)} ({shown(value)})"
+                f"{' or none' if setting.optional else ''}, got {_toml_kind(value)} ({short_repr(value)})"
             )
         item = dataclasses.replace(setting, optional=False, container=None)
         try:
@@ -338,14 +338,14 @@ def _from_toml(setting: Setting, value: Any) -> Any:
         try:
             return float(value)  # `lr = 1` means 1.0
         except OverflowError:
-            raise ValueError(f"must be a number, got an integer too large for a float ({shown(value)})") from None
+            raise ValueError(f"must be a number, got an integer too large for a float ({short_repr(value)})") from None
     if type(value) is setting.type:  # exact: TOML true is not an integer
         if type(value) is str and "\0" in value:
-            raise ValueError(f"must not hold a NUL character (\\u0000), got {shown(value)}")
+            raise ValueError(f"must not hold a NUL character (\\u0000), got {short_repr(value)}")
         return value
     raise ValueError(
         f"must be {TYPE_WORDS[setting.type]}{' or none' if setting.optional else ''}, "
-        f"got {_toml_kind(value)} ({shown(value)})"
+        f"got {_toml_kind(value)} ({short_repr(value)})"
     )
 
 
@@ -384,13 +384,13 @@ def read_config_file(path: str, config_cls: type) -> dict[str, Any]:
         if name not in by_name:
             close = difflib.get_close_matches(name, by_name, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"--config {path}: unknown setting {shown(key)}{hint}")
+            raise ValueError(f"--config {path}: unknown setting {short_repr(key)}{hint}")
         if name in values:
             raise ValueError(f"--config {path}: {name!r} is set twice")
         try:
             values[name] = _from_toml(by_name[name], value)
         except ValueError as exc:
-            raise ValueError(f"--config {path}: {shown(key)} {exc}") from None
+            raise ValueError(f"--config {path}: {short_repr(key)} {exc}") from None
     return values
 
 

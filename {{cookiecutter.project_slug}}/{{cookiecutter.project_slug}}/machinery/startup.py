@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import distributed, pretrained, runfiles, tracking
+from . import distributed, outputs, pretrained, tracking
 from .batches import Batches, Progress, RunLength
 from .optim import (
     OptimizerPart,
@@ -150,9 +150,9 @@ def build_and_restore(trainer: Trainer) -> dict | None:
 
 
 def claim_outputs(trainer: Trainer) -> None:
-    """The export folder and the metrics file, for this run (runfiles.py); a problem stops every rank alike."""
+    """The export folder and the metrics file, for this run (outputs.py); a problem stops every rank alike."""
     cfg, env = trainer.cfg, trainer.env
-    trainer.exports = runfiles.ExportFolder(env, cfg.export_dir, trainer.run_id)
+    trainer.exports = outputs.ExportFolder(env, cfg.export_dir, trainer.run_id)
     problem = None
     # A job that trains with others may take their state and go on past its snapshot, keeping what it trained
     # since: its metrics file drops a failed attempt's records only from the first step it logs

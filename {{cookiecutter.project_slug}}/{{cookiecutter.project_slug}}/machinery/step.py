@@ -23,7 +23,7 @@ from .batches import Progress, to_device
 from .distributed import DistEnv
 from .hooks import UserCode
 from .jobgroup import JobGroup
-from .parallel import Parallel
+from .parallel import DistributedModel
 from .settings import RunError
 from .state import all_finite
 
@@ -35,7 +35,7 @@ class Stepper:
 
     def __init__(
         self,
-        parallel: Parallel,
+        parallel: DistributedModel,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         scaler: torch.amp.GradScaler,
@@ -62,7 +62,7 @@ class Stepper:
     def forward_backward(self, micro_batches: list) -> None:
         """Forward and backward over the micro-batches of one optimizer step; gradients sync on the last one."""
         parallel = self.parallel
-        parallel.train_model.train()
+        parallel.for_steps.train()
         if parallel.sharded:  # as DDP does at each forward: every rank trains with rank 0's buffers
             distributed.broadcast_buffers(self.env, parallel.model)
         micro_batches = [to_device(batch, self.env.device) for batch in micro_batches]
@@ -74,7 +74,7 @@ class Stepper:
         for index, batch in enumerate(micro_batches):
             with parallel.sync_gradients(last=index == len(micro_batches) - 1):
                 with parallel.autocast():
-                    result = self.user.step(parallel.train_model, batch)
+                    result = self.user.step(parallel.for_steps, batch)
                 if token_weighted is not None and result.is_sum != token_weighted:
                     raise RunError("compute_loss in model.py returned a dict for some batches and a scalar for others")
                 token_weighted = result.is_sum

@@ -26,10 +26,10 @@ import os
 import secrets
 from typing import Any, Literal, cast
 
-from . import distributed, runfiles
+from . import distributed, outputs
 from .distributed import DistEnv
-from .runfiles import RUN_ID
-from .settings import RunError, flag, shown
+from .outputs import RUN_ID
+from .settings import RunError, flag, short_repr
 from .snapshot import RUN_FILE, SnapshotError, write_json_atomic
 
 WandbMode = Literal["online", "offline", "disabled"]  # the choices of --wandb
@@ -66,7 +66,8 @@ def _read_or_create_run_id(path: str) -> str:
     found = content.get("run_id")
     if not isinstance(found, str) or not RUN_ID.match(found):
         raise SnapshotError(
-            f"{path} has run_id {shown(found)}, not a string of 1 to 128 letters, digits, '_', '-' or '.': {remedy}"
+            f"{path} has run_id {short_repr(found)}, not a string of 1 to 128 letters, digits, '_', '-' or '.': "
+            f"{remedy}"
         )
     return found
 
@@ -126,7 +127,7 @@ class MetricsFile(Tracker):
         self.metrics_file = os.path.abspath(path)
         os.makedirs(os.path.dirname(self.metrics_file), exist_ok=True)
         fd = self._claim()
-        content = runfiles.read_held(fd)
+        content = outputs.read_held(fd)
         records, skipped = _records(content)
         if skipped:
             log.warning(
@@ -148,7 +149,7 @@ class MetricsFile(Tracker):
         self._held = None
         kept = b"".join(line for record, line in records if record["step"] <= last)
         if kept != content:
-            fd = runfiles.replace_held(fd, self.metrics_file, kept)
+            fd = outputs.replace_held(fd, self.metrics_file, kept)
         self._file = os.fdopen(fd, "ab")
         self._file.seek(0, os.SEEK_END)
         self._last_offset = self._file.tell()
@@ -156,28 +157,28 @@ class MetricsFile(Tracker):
     def _claim(self) -> int:
         """Hold the metrics file for this run: a descriptor of a file that holds this run's records only."""
         path, run_id = self.metrics_file, self.run_id
-        own = runfiles.run_path(path, run_id)
-        fd = runfiles.hold(path)
+        own = outputs.run_path(path, run_id)
+        fd = outputs.hold(path)
         if fd is None and _run_ids(_read(path)) == {run_id}:  # this run's previous attempt, still exiting
-            fd = runfiles.hold(path, wait=runfiles.OWN_FILE_WAIT_S)
+            fd = outputs.hold(path, wait=outputs.OWN_FILE_WAIT_S)
         if fd is not None:
-            foreign = [found for found in _run_ids_in_order(runfiles.read_held(fd)) if found != run_id]
+            foreign = [found for found in _run_ids_in_order(outputs.read_held(fd)) if found != run_id]
             if foreign:
                 owner = foreign[-1] if isinstance(foreign[-1], str) and RUN_ID.match(foreign[-1]) else None
-                aside = runfiles.aside_path(path, owner)
+                aside = outputs.aside_path(path, owner)
                 os.rename(path, aside)  # held by this process: nobody appends to it
                 os.close(fd)
                 log.info("%s held the records of run %s: moved them aside to %s", path, owner or "of unknown id", aside)
-                fd = runfiles.hold(path)  # a new file (None: another job took the name meanwhile)
+                fd = outputs.hold(path)  # a new file (None: another job took the name meanwhile)
         if fd is None:
             log.warning("%s is being written by another running job: this run writes its metrics to %s", path, own)
             self.metrics_file = own
-            fd = runfiles.hold(own, wait=runfiles.OWN_FILE_WAIT_S)
+            fd = outputs.hold(own, wait=outputs.OWN_FILE_WAIT_S)
             if fd is None:
                 raise RunError(f"another process holds {own}, this run's metrics file: is this run running twice?")
             return fd
-        if os.path.exists(own) and not _records(runfiles.read_held(fd))[0]:  # this run's records, set aside
-            fd = runfiles.replace_held(fd, path, _read(own))
+        if os.path.exists(own) and not _records(outputs.read_held(fd))[0]:  # this run's records, set aside
+            fd = outputs.replace_held(fd, path, _read(own))
             os.remove(own)
             log.info("this run's metrics records are back in %s from %s", path, own)
         return fd

@@ -3,7 +3,7 @@
 `Trainer` puts the rooms together: the user's hooks (hooks.py), the data position (batches.py, stream.py), the
 model across the ranks (parallel.py), one step (step.py), evaluation (evaluate.py), what a snapshot holds
 (state.py) and where it goes (snapshot/), and what the run leaves (report.py) in files that belong to it
-(runfiles.py: path checks at start-up, the export folder and metrics file claimed by the run id).
+(outputs.py: path checks at start-up, the export folder and metrics file claimed by the run id).
 
 How a run starts and resumes: startup.py; how it ends: ending.py.
 """
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from . import distributed, ending, logs, nonfinite, pretrained, runfiles, startup, watchdog
+from . import distributed, ending, logs, nonfinite, outputs, pretrained, startup, watchdog
 from .batches import Batches, Progress, RunLength
 from .debugflags import DebugFlags, check_debugger, replay_settings
 from .distributed import DistEnv
@@ -28,7 +28,7 @@ from .evaluate import evaluate
 from .hooks import UserCode
 from .jobgroup import JobGroup
 from .optim import SchedulerPart
-from .parallel import Parallel
+from .parallel import DistributedModel
 from .report import Summary, export, progress_bar, write_config
 from .settings import RunError, flag
 from .snapshot import SnapshotError, Snapshots, restore_rng
@@ -60,14 +60,14 @@ class Trainer:
     batches: Batches | StreamBatches
     state: TrainState
     stepper: Stepper
-    exports: runfiles.ExportFolder
+    exports: outputs.ExportFolder
     tracker: Any
     metrics_file: str
 
     def __init__(self, cfg: Any, env: DistEnv, jobs: JobGroup | None = None):
         self.cfg, self.env = cfg, env
         self.jobs = jobs or JobGroup()  # the jobs this one trains the model with (jobgroup.py): none by default
-        runfiles.check_paths(cfg, env)  # before anything slow: a path that cannot be written is refused at once
+        outputs.check_paths(cfg, env)  # before anything slow: a path that cannot be written is refused at once
         self.user = UserCode(PACKAGE, env)
         for line in self.user.misspelled() + self.user.unused():
             self.warn_from_rank_0("%s", line)
@@ -91,7 +91,7 @@ class Trainer:
         self.starting_weights = pretrained.source(self.user, cfg)
         on_meta = self.starting_weights is not None and cfg.strategy == "fsdp"
         self.model = pretrained.build_model(self.user, cfg, self.train_data, env, on_meta, self.warn_from_rank_0)
-        self.parallel = Parallel(self.model, cfg, env, self.user)  # fsdp shards here, before the optimizer
+        self.parallel = DistributedModel(self.model, cfg, env, self.user)  # fsdp shards here, before the optimizer
         pretrained.materialize(self.model, env.device)
         self.sharded = self.parallel.sharded
 
@@ -241,7 +241,7 @@ class Trainer:
             if kind is None or issubclass(kind, RunError):
                 self.snapshots.wait()  # a save in flight holds a good state: let it commit
             else:  # a rank's own error, or a lost peer: a part that may never come is waited for a while only
-                self.snapshots.settle(SAVE_GRACE_S)
+                self.snapshots.finish_after_failure(SAVE_GRACE_S)
         finally:
             self.close(error)
 

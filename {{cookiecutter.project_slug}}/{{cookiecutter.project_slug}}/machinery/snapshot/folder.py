@@ -11,7 +11,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import distributed, identity, joblock
-from ..runfiles import URL
+from ..outputs import URL
 from .format import (
     MANIFEST,
     RUN_FILE,

@@ -16,8 +16,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from ..runfiles import URL
-from ..settings import shown
+from ..outputs import URL
+from ..settings import short_repr
 
 log = logging.getLogger(__name__)
 
@@ -140,44 +140,44 @@ def manifest_problem(manifest, step):
     if missing:
         return f"no {', '.join(missing)} field"
     if manifest["format"] != FORMAT or isinstance(manifest["format"], bool):
-        return f"format {shown(manifest['format'])}, this version reads format {FORMAT}"
+        return f"format {short_repr(manifest['format'])}, this version reads format {FORMAT}"
     if not _is_count(manifest["step"]):
-        return f"step {shown(manifest['step'])} is not a whole number >= 0"
+        return f"step {short_repr(manifest['step'])} is not a whole number >= 0"
     if step is not None and manifest["step"] != step:
         return f"step {manifest['step']} does not match its folder {step_name(step)}"
     world_size = manifest["world_size"]
     if not _is_count(world_size, 1, MAX_WORLD_SIZE):
-        return f"world_size {shown(world_size)} is not a whole number from 1 to {MAX_WORLD_SIZE}"
+        return f"world_size {short_repr(world_size)} is not a whole number from 1 to {MAX_WORLD_SIZE}"
     if not isinstance(manifest["job"], str):
-        return f"job {shown(manifest['job'])} is not a string"
+        return f"job {short_repr(manifest['job'])} is not a string"
     files = manifest["files"]
     if not isinstance(files, dict):
-        return f"files is {shown(files)}, not a mapping of file names"
+        return f"files is {short_repr(files)}, not a mapping of file names"
     expected = {SHARED, *(rank_file(rank) for rank in range(world_size))}
     absent = sorted(expected - files.keys())
     if absent:
         return f"files has no entry for {absent[0]}" + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else "")
     extra = sorted(name for name in files.keys() - expected if not SHARDED_FILE.match(name))
     if extra:
-        return f"files lists {shown(extra[0])}, which a snapshot of {world_size} rank(s) does not have"
+        return f"files lists {short_repr(extra[0])}, which a snapshot of {world_size} rank(s) does not have"
     for name in sorted(files):
         entry = files[name]
         if not isinstance(entry, dict):
-            return f"files[{name!r}] is {shown(entry)}, not an object with a size and a sha256"
+            return f"files[{name!r}] is {short_repr(entry)}, not an object with a size and a sha256"
         for key in ("size", "sha256"):
             if key not in entry:
                 return f"files[{name!r}] has no {key!r}"
         if not _is_count(entry["size"]):
-            return f"files[{name!r}] size {shown(entry['size'])} is not a whole number >= 0"
+            return f"files[{name!r}] size {short_repr(entry['size'])} is not a whole number >= 0"
         if not isinstance(entry["sha256"], str) or not SHA256.match(entry["sha256"]):
-            return f"files[{name!r}] sha256 {shown(entry['sha256'])} is not 64 hex digits"
+            return f"files[{name!r}] sha256 {short_repr(entry['sha256'])} is not 64 hex digits"
     if _sharded_files(manifest) and f"{SHARDED_DIR}/.metadata" not in files:
         return f"files lists shards but no {SHARDED_DIR}/.metadata"
     if "frozen_in" in manifest and not _is_count(manifest["frozen_in"], 0, manifest["step"]):
-        return f"frozen_in {shown(manifest['frozen_in'])} is not a step from 0 to the snapshot's own"
+        return f"frozen_in {short_repr(manifest['frozen_in'])} is not a step from 0 to the snapshot's own"
     digest = manifest["manifest_sha256"]
     if not isinstance(digest, str) or not SHA256.match(digest):
-        return f"manifest_sha256 {shown(digest)} is not 64 hex digits"
+        return f"manifest_sha256 {short_repr(digest)} is not 64 hex digits"
     try:
         actual = manifest_digest(manifest)
     except (ValueError, TypeError):  # NaN or infinity in a field the shape checks leave open

@@ -89,7 +89,7 @@ class Snapshots(SnapshotFolder):
         self._pinned: dict[tuple, torch.Tensor] = {}  # pinned CPU buffers for CUDA tensors, kept likewise
         self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}  # a side stream per CUDA device
         self._device_copies: DeviceCopies | None = None  # the save in flight's CUDA copies, until ordered
-        self._give_up_at = math.inf  # when rank 0 stops waiting for the other ranks' parts (see settle)
+        self._give_up_at = math.inf  # when rank 0 stops waiting for the other ranks' parts (see finish_after_failure)
         self._said_late = False  # a WARNING said that snapshots come late (skip, or a save behind an upload)
 
     def save(
@@ -193,7 +193,7 @@ class Snapshots(SnapshotFolder):
         except Exception as exc:
             raise self._failure(exc) from exc
 
-    def settle(self, grace: float) -> None:
+    def finish_after_failure(self, grace: float) -> None:
         """After a failure: give the save in flight up to `grace` seconds to be written and, on rank 0, committed,
         so that a rank's own error (or a peer's) a few steps after a snapshot step does not lose that snapshot. A
         part that never comes (its rank was killed mid-save) only costs the wait; a save that fails then is
