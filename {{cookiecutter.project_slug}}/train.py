@@ -49,9 +49,9 @@ def run(cfg: config.Config) -> Summary:
         debugflags,
         distributed,
         faults,
-        jobgroup,
         logs,
         parentdeath,
+        partners,
         stop,
         trainer,
     )
@@ -61,7 +61,7 @@ def run(cfg: config.Config) -> Summary:
     warmstart.serve_restarts()  # local rank 0 of a job that may restart: keep a copy of this process as it is now
     env = distributed.read_env()
     try:
-        jobs = jobgroup.for_run(cfg)  # the jobs this one trains with, if any: they may give it files of its own
+        partner_jobs = partners.for_run(cfg)  # the jobs this one trains with, if any: they may give it files of its own
     except config.RunError as exc:
         print(f"error: {exc}", file=sys.stderr)
         record_cause(exc)
@@ -83,7 +83,7 @@ def run(cfg: config.Config) -> Summary:
     try:
         env = distributed.init(env, cfg)
         log.info("rank %d of %d, backend %s, device %s", env.rank, env.world_size, env.backend, env.device)
-        summary = trainer.train(cfg, env, jobs)
+        summary = trainer.train(cfg, env, partner_jobs)
         finished = True
     except faults.BadUserValue as exc:  # a value of the user's code refused on this rank: the others may not meet it
         failed_here(env, faults.message(exc))
@@ -122,7 +122,7 @@ def run(cfg: config.Config) -> Summary:
     finally:
         distributed.teardown(clean=finished)
     code = 128 + summary.stop_signal if summary.stop_signal else 0  # stopped early: not a success, to re-run it
-    jobs.end_process(code)  # the run's files are written: a job group may end the process here
+    partner_jobs.end_process(code)  # the run's files are written: a job group may end the process here
     if code:
         sys.exit(code)
     return summary

@@ -22,7 +22,7 @@ Your rooms are one level up: model.py, data.py and config.py (the seam: machiner
     settings.py     the settings dataclass <-> command line and TOML
     distributed.py  the torchrun environment, process group, device and teardown
     launcher.py     launch(): torchrun's elastic agent started from Python (notebooks, scripts), output in the caller
-    jobgroup.py     the hooks through which jobs that train one model together meet in the loop (none by default)
+    partners.py     the hooks through which jobs that train one model together meet in the loop (none by default)
 {%- if cookiecutter.replica_groups == "yes" %}
     replicas.py     --fault-tolerance torchft: replica groups that train on while a failed one restarts (torchft)
 {%- endif %}

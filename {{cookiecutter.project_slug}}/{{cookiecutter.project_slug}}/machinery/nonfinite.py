@@ -177,7 +177,7 @@ def check_finite(trainer: Trainer) -> None:
             f"finite on every rank: a NaN or infinity arose in backward)"
         )
     where = ""
-    replayed = replay(trainer, step) if trainer.jobs.alone else None
+    replayed = replay(trainer, step) if trainer.partners.alone else None
     if replayed is not None:
         snapshot_step, origins = replayed
         command = replay_command(trainer.env, snapshot_step, step)

@@ -70,7 +70,7 @@ class DistributedModel:
         """DDP (under torchrun with 2 or more ranks, with --strategy ddp), then torch.compile if asked. A job of one
         rank trains the model as it is: DDP would only copy its gradients into buckets and average them over one.
 
-        `with_other_jobs` (jobgroup.py): DDP at any number of ranks, its buckets then averaged with the other jobs'
+        `with_other_jobs` (partners.py): DDP at any number of ranks, its buckets then averaged with the other jobs'
         too, during backward. Every job's buckets must then line up, a restarted job's with those of the jobs that
         trained on: each process settles its bucket order before its first step (settle_bucket_order)."""
         if (self.env.world_size > 1 or with_other_jobs) and not self.sharded:
@@ -98,7 +98,7 @@ class DistributedModel:
         DDP rebuilds its buckets in the order gradients arrive during the first backward; until then it uses an
         initial layout. With 3 or more ranks gloo's ring all-reduce then sums in another order, so the first
         resumed step would differ in the last bits from the uninterrupted run's; a job that joins the training of
-        others (jobgroup.py) would average its buckets with theirs element by element in another layout (the caller
+        others (partners.py) would average its buckets with theirs element by element in another layout (the caller
         keeps the other jobs out of this backward). So this runs one extra forward and
         backward through your model, in eval mode, on the step's first micro-batch (already on the device), with
         the gradients thrown away and the random streams put back: the order is set, and the weights, the

@@ -64,7 +64,7 @@ from torch.utils._pytree import tree_map
 from . import distributed, identity
 from .debug import postmortem_requested
 from .distributed import DistEnv
-from .jobgroup import JobGroup
+from .partners import Partners
 from .settings import RunError, flag
 
 log = logging.getLogger(__name__)
@@ -148,8 +148,8 @@ def check_supported(cfg: Any, stream: bool) -> None:
         )
 
 
-class ReplicaGroup(JobGroup):
-    """This job as one replica group of several (jobgroup.py's hooks), through torchft's Manager: a quorum of the
+class ReplicaGroup(Partners):
+    """This job as one replica group of several (partners.py's hooks), through torchft's Manager: a quorum of the
     live groups per step, their gradient average, and taking a live group's state after a restart.
 
     What a restarted group takes from a live one is the snapshot's shared parts (weights, optimizer, schedule, data

@@ -140,7 +140,7 @@ def build_and_restore(trainer: Trainer) -> dict | None:
         cfg,
         env,
         trainer.progress,
-        trainer.jobs,
+        trainer.partners,
     )
     if resumed is None:
         return None
@@ -156,7 +156,7 @@ def claim_outputs(trainer: Trainer) -> None:
     problem = None
     # A job that trains with others may take their state and go on past its snapshot, keeping what it trained
     # since: its metrics file drops a failed attempt's records only from the first step it logs
-    resumed_from = trainer.resumed_from if trainer.jobs.alone else None
+    resumed_from = trainer.resumed_from if trainer.partners.alone else None
     try:
         trainer.tracker = tracking.make_tracker(
             env, cfg.wandb, cfg.wandb_project, trainer.run_id, cfg.to_dict(), cfg.metrics_file, resumed_from

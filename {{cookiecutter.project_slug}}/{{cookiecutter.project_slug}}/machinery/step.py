@@ -22,8 +22,8 @@ from . import distributed
 from .batches import Progress, to_device
 from .distributed import DistEnv
 from .hooks import UserCode
-from .jobgroup import JobGroup
 from .parallel import DistributedModel
+from .partners import Partners
 from .settings import RunError
 from .state import all_finite
 
@@ -43,7 +43,7 @@ class Stepper:
         cfg: Any,
         env: DistEnv,
         progress: Progress,
-        jobs: JobGroup | None = None,
+        partners: Partners | None = None,
     ):
         self.parallel, self.optimizer, self.scheduler, self.scaler = parallel, optimizer, scheduler, scaler
         self.user, self.cfg, self.env, self.progress = user, cfg, env, progress
@@ -51,7 +51,9 @@ class Stepper:
         self.loss_steps = 0
         self.grad_norm = torch.zeros((), device=env.device)
         self.lr = optimizer.param_groups[0]["lr"]  # the learning rate of the last step (the first group's)
-        self.jobs = jobs or JobGroup()  # the jobs this one trains with (jobgroup.py): their gradients are averaged in
+        self.partners = (
+            partners or Partners()
+        )  # the jobs this one trains with (partners.py): their gradients are averaged in
         self._step_loss = torch.zeros((), device=env.device)
         # The first step whose loss (this rank's own) or gradient (the step's, over every rank) was not finite:
         # marked on the device at every step, without waiting for it, and read where the loop syncs anyway (log,
@@ -66,7 +68,7 @@ class Stepper:
         if parallel.sharded:  # as DDP does at each forward: every rank trains with rank 0's buffers
             distributed.broadcast_buffers(self.env, parallel.model)
         micro_batches = [to_device(batch, self.env.device) for batch in micro_batches]
-        with self.jobs.skip_averaging():
+        with self.partners.skip_averaging():
             parallel.settle_bucket_order(micro_batches[0])  # a resumed ddp job, or one that trains with others, once
         step_loss = torch.zeros((), device=self.env.device)
         sums = torch.zeros(2, dtype=torch.float64, device=self.env.device)  # token-weighted: loss sum, count
@@ -79,7 +81,7 @@ class Stepper:
                     raise RunError("compute_loss in model.py returned a dict for some batches and a scalar for others")
                 token_weighted = result.is_sum
                 loss = result.loss if result.is_sum else result.loss / len(micro_batches)
-                self.jobs.before_backward(token_weighted=result.is_sum)  # a sum is averaged once it is scaled
+                self.partners.before_backward(token_weighted=result.is_sum)  # a sum is averaged once it is scaled
                 self.scaler.scale(loss).backward()
             if result.is_sum:
                 sums += torch.stack([result.loss.detach().double(), result.count])
@@ -115,7 +117,7 @@ class Stepper:
     def optimizer_step(self) -> bool:
         """Clip, step, move the learning-rate schedule on, and count the step. First average the gradients with the
         jobs this one trains with, if any; False when they drop the step (one failed during it)."""
-        if not self.jobs.average_and_commit(self.parallel.model):
+        if not self.partners.average_and_commit(self.parallel.model):
             self.optimizer.zero_grad(set_to_none=True)
             self.loss_sum -= self._step_loss
             return False

@@ -12,7 +12,7 @@ The metrics file (`--metrics-file`, JSON Lines) holds one object per logged step
   beside it, with a warning; summary.json names the file a run wrote.
 - A resumed run first drops the records of steps after the snapshot it resumed from, so steps that are trained
   again replace what the failed attempt wrote instead of repeating it: read the file top to bottom and every step
-  appears once. A job that trains with others (jobgroup.py) may take their state and go on at a later step than
+  appears once. A job that trains with others (partners.py) may take their state and go on at a later step than
   its snapshot's, keeping what it trained before it failed: it drops the records from the first step it logs on
   instead. Each line is flushed as it is written; a crash loses at most the line being written, and a
   partial last line is dropped at the next start. Lines that are no records (not UTF-8, not JSON) are left out,

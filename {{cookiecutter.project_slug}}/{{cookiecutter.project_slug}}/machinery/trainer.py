@@ -26,9 +26,9 @@ from .debugflags import DebugFlags, check_debugger, replay_settings
 from .distributed import DistEnv
 from .evaluate import evaluate
 from .hooks import UserCode
-from .jobgroup import JobGroup
 from .optim import SchedulerPart
 from .parallel import DistributedModel
+from .partners import Partners
 from .report import Summary, export, progress_bar, write_config
 from .settings import RunError, flag
 from .snapshot import SnapshotError, Snapshots, restore_rng
@@ -64,9 +64,9 @@ class Trainer:
     tracker: Any
     metrics_file: str
 
-    def __init__(self, cfg: Any, env: DistEnv, jobs: JobGroup | None = None):
+    def __init__(self, cfg: Any, env: DistEnv, partners: Partners | None = None):
         self.cfg, self.env = cfg, env
-        self.jobs = jobs or JobGroup()  # the jobs this one trains the model with (jobgroup.py): none by default
+        self.partners = partners or Partners()  # the jobs this one trains the model with (partners.py): none by default
         outputs.check_paths(cfg, env)  # before anything slow: a path that cannot be written is refused at once
         self.user = UserCode(PACKAGE, env)
         for line in self.user.misspelled() + self.user.unused():
@@ -78,7 +78,7 @@ class Trainer:
         self.stream = isinstance(self.train_data, IterableDataset)
         # Whose share of each step's data this rank trains on: its own among the job's ranks, or among the ranks
         # of every job it trains with.
-        self.data_env = self.jobs.data_env(cfg, env, self.stream)
+        self.data_env = self.partners.data_env(cfg, env, self.stream)
         self.global_batch = self.data_env.world_size * cfg.batch_size * cfg.grad_accum
         startup.check_same_data(env, None if self.stream else self.train_data, self.val_data)
         if not self.stream and len(self.train_data) < self.global_batch:
@@ -114,10 +114,10 @@ class Trainer:
             write_config(cfg, self.snapshots.directory)
         startup.log_start(self)
 
-        self.parallel.wrap(resumed=self.resumed_from >= 0, with_other_jobs=not self.jobs.alone)
+        self.parallel.wrap(resumed=self.resumed_from >= 0, with_other_jobs=not self.partners.alone)
         self.last_saved = self.resumed_from if self.resumed_from >= 0 else None
         self.hang_watch = watchdog.HangWatch(env.rank, timeout * 0.8, cfg.log_file)  # stacks, before the timeout
-        self.jobs.join(self)  # from here on, the jobs meet at every step
+        self.partners.join(self)  # from here on, the jobs meet at every step
         self._timer = time.perf_counter()
         self.finite_until = -1  # the last step nonfinite.check_finite found every loss and gradient so far finite
         # The random streams last, right before the first step, so nothing in between can draw from them.
@@ -131,7 +131,7 @@ class Trainer:
     def start_step(self, stop: StopRequest) -> bool:
         """The start of a step among the jobs this one trains with (a no-op for a job alone). False: the job was
         asked to stop while it waited for the others; every rank of the job knows it then (`stop.stopped`)."""
-        if self.jobs.start_step(lambda: bool(stop.signal)):
+        if self.partners.start_step(lambda: bool(stop.signal)):
             return True
         stop.agree_now()
         return False
@@ -227,7 +227,7 @@ class Trainer:
 
     def close(self, error: BaseException | None = None) -> None:
         """`error`: the exception that ends the run early, if one does."""
-        self.jobs.close(error)
+        self.partners.close(error)
         self.hang_watch.close()
         self.tracker.finish()
         self.exports.close()
@@ -268,13 +268,15 @@ class Trainer:
             self.export("best.pt")
 
 
-def train(cfg: Any, env: DistEnv, jobs: JobGroup | None = None) -> Summary:
+def train(cfg: Any, env: DistEnv, partners: Partners | None = None) -> Summary:
     """Train until --max-steps or --epochs; resume from the newest good snapshot in --snapshot-dir if there is one.
-    `jobs`: the jobs this one trains the model with (jobgroup.py), if any."""
+    `partners`: the jobs this one trains the model with (partners.py), if any."""
     cfg = replay_settings(cfg, env)  # --resume-from: a scratch copy of that snapshot is the run's snapshot folder
     check_debugger(cfg, env)  # --break-at-step: pdb without a terminal is refused before the model is built
     with (
-        Trainer(cfg, env, jobs) as trainer,  # model, data, optimizer, snapshots: restored from the newest good snapshot
+        Trainer(
+            cfg, env, partners
+        ) as trainer,  # model, data, optimizer, snapshots: restored from the newest good snapshot
         StopRequest(env) as stop,
         progress_bar(env, trainer.total_steps, trainer.progress.step) as bar,
         # --break-at-step, --profile-steps, --check-replicas: a step the run cannot reach is said here, at start-up

@@ -1,6 +1,6 @@
 """The jobs this one trains a model with, as the training loop sees them: a few hooks, called at fixed points.
 
-A run is one torchrun job, and `JobGroup` itself is a job that trains alone: every hook does nothing, and the loop
+A run is one torchrun job, and `Partners` itself is a job that trains alone: every hook does nothing, and the loop
 reads the same either way. An optional part of the machinery, chosen when the project was generated, may let several
 jobs train one model together (averaging their gradients at every step) by subclassing it; `for_run` returns the
 one the settings ask for.
@@ -17,7 +17,7 @@ from torch import nn
 from .distributed import DistEnv
 
 
-class JobGroup:
+class Partners:
     """This job among the jobs that train the model together: here, a job alone."""
 
     # False: other jobs train the same model, and this one may take their state at any step, past its own snapshots
@@ -56,7 +56,7 @@ class JobGroup:
         about to exit with `code`. Here it returns, and the interpreter exits as usual."""
 
 
-def for_run(cfg: Any) -> JobGroup:
+def for_run(cfg: Any) -> Partners:
     """The job group the settings ask for. Called before the log file is opened: a group may give each of its jobs
     files of its own (in `cfg`)."""
 {%- if cookiecutter.replica_groups == "yes" %}
@@ -65,4 +65,4 @@ def for_run(cfg: Any) -> JobGroup:
     if replicas.requested(cfg):
         return replicas.ReplicaGroup(cfg)
 {%- endif %}
-    return JobGroup()
+    return Partners()
