@@ -35,6 +35,7 @@ Your rooms are one level up: model.py, data.py and config.py (the seam: machiner
     identity.py     which process is which under torchrun: the job, the worker and its agent, a pid's start time
     warmstart.py    torchrun's restarts without importing torch again: each restarted rank runs in a fork of a
                     process the job's first attempt left with torch imported (or of a standing one: serve_pool)
+    processexit.py  a rank's exit: as the interpreter's, without its last garbage collection (a second per rank)
     watchdog.py     a hung rank's stacks, before the collective timeout
     debug.py        attach a debugger to chosen ranks (DEBUG_RANK)
     nonfinite.py    a NaN or infinite loss or gradient: the check at logs and snapshots, the replay naming its origin

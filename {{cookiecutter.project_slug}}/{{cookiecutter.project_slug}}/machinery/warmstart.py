@@ -23,7 +23,6 @@ stand-in dies is SIGKILLed with its process group, and a child whose zygote dies
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import hashlib
 import importlib
@@ -36,12 +35,12 @@ import socket
 import struct
 import sys
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from . import identity, parentdeath
+from .processexit import debugged, exit_as, finish, run_and_exit
 
 ENV_SWITCH = "WARM_RESTART"  # "0": every restart is cold
 ENV_POOL = "WARM_START_POOL"  # names a standing zygote (serve_pool) that serves first starts too
@@ -55,11 +54,7 @@ _LENGTH = struct.Struct("!I")
 
 def enabled() -> bool:
     """Whether restarts here may be warm: Linux, not switched off, no debugger in this process."""
-    return sys.platform.startswith("linux") and os.environ.get(ENV_SWITCH, "1").strip() != "0" and not _debugged()
-
-
-def _debugged() -> bool:
-    return sys.gettrace() is not None or "debugpy" in sys.modules or "pydevd" in sys.modules
+    return sys.platform.startswith("linux") and os.environ.get(ENV_SWITCH, "1").strip() != "0" and not debugged()
 
 
 def _address(agent: int, run_id: str) -> str:
@@ -198,7 +193,7 @@ def handoff() -> None:
     for signum in FORWARDED:
         signal.signal(signum, forward)
     line = replies.readline()
-    _exit_as(int(json.loads(line)["exit"]) if line else 1)
+    exit_as(int(json.loads(line)["exit"]) if line else 1)
 
 
 def stop(agent: int, run_id: str) -> None:
@@ -250,22 +245,6 @@ def _frame(request: dict[str, Any]) -> bytes:
     """A request to the zygote: its length, then its JSON."""
     payload = json.dumps(request).encode()
     return _LENGTH.pack(len(payload)) + payload
-
-
-def _exit_as(code: int) -> NoReturn:
-    """Exit with `code`, as waitstatus_to_exitcode() gives it (negative: killed by that signal)."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
-    if code < 0:
-        signum = -code
-        if signum not in (getattr(signal, "SIGKILL", -1), getattr(signal, "SIGSTOP", -1)):
-            signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        code = 128 + signum
-    os._exit(code)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -470,57 +449,13 @@ class _Zygote:
             sys.argv = argv
         except BaseException:
             sys.excepthook(*sys.exc_info())
-            _finish(code)
+            finish(code)
         if request["module"]:
             run_and_exit(lambda: runpy.run_module(request["module"], run_name="__main__", alter_sys=True))
         else:
             sys.path[0] = str(Path(argv[0]).resolve().parent)  # what `python script.py` puts first
             run_and_exit(lambda: runpy.run_path(argv[0], run_name="__main__"))
-        _finish(0)
-
-
-def run_and_exit(main: Callable[[], object]) -> None:
-    """Run a script's `main`, then exit as the interpreter does (non-daemon threads joined, atexit functions run,
-    the standard streams flushed) but without its last garbage collection over every object left: torch and dynamo
-    leave millions, and that sweep costs a rank about a second at every exit, which torchrun waits for before it
-    restarts a job whose peer died. Under a debugger, `main` runs and the interpreter exits as usual."""
-    if _debugged():
-        main()
-        return
-    code = 1
-    try:
-        main()
-        code = 0
-    except SystemExit as exc:
-        code = _exit_code(exc)
-    except KeyboardInterrupt:
-        sys.excepthook(*sys.exc_info())
-        code = -signal.SIGINT
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
-    _finish(code)
-
-
-def _exit_code(exc: SystemExit) -> int:
-    """The exit code the interpreter gives a SystemExit (a message goes to stderr, with code 1)."""
-    if exc.code is None:
-        return 0
-    if isinstance(exc.code, int):
-        return exc.code & 0xFF
-    print(exc.code, file=sys.stderr)
-    return 1
-
-
-def _finish(code: int) -> NoReturn:
-    """Exit as the interpreter does: wait for non-daemon threads, run the atexit functions, flush, exit."""
-    try:
-        threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's own step (multiprocessing's too)
-    except Exception:  # noqa: BLE001, S110 - exiting regardless
-        pass
-    try:
-        atexit._run_exitfuncs()
-    finally:
-        _exit_as(code)
+        finish(0)
 
 
 def _kill_group(pid: int, signum: int) -> None:

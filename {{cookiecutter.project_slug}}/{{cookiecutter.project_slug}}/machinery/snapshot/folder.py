@@ -6,7 +6,7 @@ import os
 import secrets
 import shutil
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 
@@ -84,12 +84,9 @@ class SnapshotFolder:
         if self.store is not None:
             self._prepare_store(fresh_start)
             return
-        problem, token = None, None
-        if env.is_main:
-            problem, token = self._check_folder(estimated_bytes, fresh_start)
-        problem, token, main_directory = distributed.broadcast_object(env, (problem, token, self.directory))
-        if problem:
-            raise SnapshotError(problem)
+        token, main_directory = distributed.decided_on_rank_0(
+            env, lambda: (self._check_folder(estimated_bytes, fresh_start), self.directory), SnapshotError
+        )
         probe = os.path.join(self.directory, f".probe-{token}")
         visible = _eventually(lambda: os.path.exists(probe))
         views = [(env.rank, visible, self.directory)]
@@ -109,17 +106,20 @@ class SnapshotFolder:
 
     def _prepare_store(self, fresh_start):
         """The store's prefix is taken by rank 0 (store.Store.open); every rank starts an empty staging folder."""
-        problem = None
-        if self.env.is_main:
+
+        store = cast(Store, self.store)
+
+        def take() -> None:
             try:
-                self.store.open(self.job, fresh_start)
-            except (SnapshotError, joblock.JobLockError) as exc:
-                problem = str(exc)
+                store.open(self.job, fresh_start)
+            except SnapshotError:
+                raise
+            except joblock.JobLockError as exc:
+                raise SnapshotError(str(exc)) from exc
             except Exception as exc:  # the store's own error
-                problem = f"cannot use the store {self.store.url}: {type(exc).__name__}: {exc}"
-        problem = distributed.broadcast_object(self.env, problem)
-        if problem:
-            raise SnapshotError(problem)
+                raise SnapshotError(f"cannot use the store {store.url}: {type(exc).__name__}: {exc}") from exc
+
+        distributed.decided_on_rank_0(self.env, take, SnapshotError)
         if not self.env.is_main:  # rank 0's was emptied once it held the lock
             shutil.rmtree(self.directory, ignore_errors=True)
             os.makedirs(self.directory)
@@ -150,25 +150,24 @@ class SnapshotFolder:
             )
 
     def _check_folder(self, estimated_bytes, fresh_start):
-        """Rank 0's part of prepare(): (a problem in one line or None, the token of the probe file)."""
+        """Rank 0's part of prepare(): the token of the probe file it writes; SnapshotError naming a problem."""
         token = secrets.token_hex(6)
         try:
             os.makedirs(self.directory, exist_ok=True)
             self.job_lock = joblock.JobLock(self.directory)
             self.job_lock.acquire()
             self._commit_finished_saves()  # before a fresh start decides what to move aside: it moves them too
-            if fresh_start:
-                problem = self._start_fresh()
-                if problem:
-                    return problem, token
-            self._remove_leftovers()
+            problem = self._start_fresh() if fresh_start else None
+            if problem:
+                raise SnapshotError(problem)
+            remove_leftovers(self.directory)
             write_json_atomic(os.path.join(self.directory, f".probe-{token}"), {"token": token})
             free = shutil.disk_usage(self.directory).free
             if free < estimated_bytes:
-                return (
+                raise SnapshotError(
                     f"not enough room for a snapshot in {self.directory}: {free / 2**20:.0f} MiB free, one "
                     f"snapshot needs about {estimated_bytes / 2**20:.0f} MiB"
-                ), token
+                )
             if free < estimated_bytes * (self.keep + 1):
                 log.warning(
                     "%s has room for fewer than %d snapshots (%.0f MiB free, about %.0f MiB each)",
@@ -177,20 +176,20 @@ class SnapshotFolder:
                     free / 2**20,
                     estimated_bytes / 2**20,
                 )
-            self._remove_interrupted_saves()
+            remove_interrupted_saves(self.directory)
         except joblock.JobLockError as exc:
-            return str(exc), token
+            raise SnapshotError(str(exc)) from exc
         except OSError as exc:
-            return f"cannot write snapshots to {self.directory}: {exc.strerror or exc}", token
+            raise SnapshotError(f"cannot write snapshots to {self.directory}: {exc.strerror or exc}") from exc
         self.job_lock.start_heartbeat()
-        return None, token
+        return token
 
     def _start_fresh(self):
         """Move the folder's snapshots aside for a fresh start, unless this job wrote them; a problem or None."""
         committed = list_steps(self.directory)[0]
         if not committed:
             return None
-        if self.job and self._newest_job(committed) == self.job:
+        if self.job and newest_job(self.directory, committed) == self.job:
             log.info(
                 "%s holds snapshots of this same torchrun job (%s): this is a restart, resuming from them",
                 self.directory,
@@ -225,25 +224,6 @@ class SnapshotFolder:
         )
         return None
 
-    def _newest_job(self, committed):
-        """The job that wrote the newest snapshot whose manifest checks out, or None."""
-        for step in committed:
-            try:
-                return read_manifest(self.step_folder(step))["job"]
-            except SnapshotError:
-                continue
-        return None
-
-    def _remove_leftovers(self):
-        """Probe files and run-id temp files of start-ups that died half-way (no other job is here: we hold
-        the lock)."""
-        for name in os.listdir(self.directory):
-            if name.startswith(".probe-") or name.startswith(f"{RUN_FILE}.tmp-"):
-                path = os.path.join(self.directory, name)
-                if os.path.isfile(path):
-                    log.debug("removing %s, left by an earlier start-up", path)
-                    os.remove(path)
-
     def _commit_finished_saves(self):
         """Commit the saves whose job ended before committing them although every part was written: each rank writes
         its own part before its next step, so a rank SIGKILLed after a snapshot step leaves a save that the others
@@ -258,17 +238,6 @@ class SnapshotFolder:
                 continue
             write_json_atomic(os.path.join(folder, MANIFEST), manifest)
             log.info("committed %s: every rank's part of it was written before its job ended", folder)
-
-    def _remove_interrupted_saves(self):
-        committed, incomplete = list_steps(self.directory)
-        for step in incomplete:
-            log.info("removing %s: an interrupted save", self.step_folder(step))
-            shutil.rmtree(self.step_folder(step), ignore_errors=True)
-        for step in committed:
-            folder = self.step_folder(step)
-            for name in os.listdir(folder):
-                if ".tmp-" in name:
-                    os.remove(os.path.join(folder, name))
 
     def resume(self) -> dict | None:
         """The newest snapshot good for every rank, loaded on every rank; None when the folder holds none.
@@ -360,3 +329,36 @@ class SnapshotFolder:
             folder = self.step_folder(step)
             os.remove(os.path.join(folder, MANIFEST))  # uncommit first: a half-removed folder is never loaded
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def newest_job(directory, committed):
+    """The job that wrote the newest snapshot whose manifest checks out, or None."""
+    for step in committed:
+        try:
+            return read_manifest(os.path.join(directory, step_name(step)))["job"]
+        except SnapshotError:
+            continue
+    return None
+
+
+def remove_leftovers(directory):
+    """Probe files and run-id temp files of start-ups that died half-way (no other job is here: we hold
+    the lock)."""
+    for name in os.listdir(directory):
+        if name.startswith(".probe-") or name.startswith(f"{RUN_FILE}.tmp-"):
+            path = os.path.join(directory, name)
+            if os.path.isfile(path):
+                log.debug("removing %s, left by an earlier start-up", path)
+                os.remove(path)
+
+
+def remove_interrupted_saves(directory):
+    committed, incomplete = list_steps(directory)
+    for step in incomplete:
+        log.info("removing %s: an interrupted save", os.path.join(directory, step_name(step)))
+        shutil.rmtree(os.path.join(directory, step_name(step)), ignore_errors=True)
+    for step in committed:
+        folder = os.path.join(directory, step_name(step))
+        for name in os.listdir(folder):
+            if ".tmp-" in name:
+                os.remove(os.path.join(folder, name))

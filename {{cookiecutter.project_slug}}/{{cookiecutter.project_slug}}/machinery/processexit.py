@@ -1,0 +1,78 @@
+"""How a rank's process exits: as the interpreter would, without its last garbage collection.
+
+train.py ends through `run_and_exit`; a warm child (warmstart.py) ends through it too, and its stand-in exits with
+the child's code or signal (`exit_as`).
+"""
+
+import atexit
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import NoReturn
+
+
+def debugged() -> bool:
+    """Whether a debugger runs in this process (F5 starts each worker under debugpy)."""
+    return sys.gettrace() is not None or "debugpy" in sys.modules or "pydevd" in sys.modules
+
+
+def exit_as(code: int) -> NoReturn:
+    """Exit with `code`, as waitstatus_to_exitcode() gives it (negative: killed by that signal)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    if code < 0:
+        signum = -code
+        if signum not in (getattr(signal, "SIGKILL", -1), getattr(signal, "SIGSTOP", -1)):
+            signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        code = 128 + signum
+    os._exit(code)
+
+
+def run_and_exit(main: Callable[[], object]) -> None:
+    """Run a script's `main`, then exit as the interpreter does (non-daemon threads joined, atexit functions run,
+    the standard streams flushed) but without its last garbage collection over every object left: torch and dynamo
+    leave millions, and that sweep costs a rank about a second at every exit, which torchrun waits for before it
+    restarts a job whose peer died. Under a debugger, `main` runs and the interpreter exits as usual."""
+    if debugged():
+        main()
+        return
+    code = 1
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exit_code(exc)
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        code = -signal.SIGINT
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+    finish(code)
+
+
+def exit_code(exc: SystemExit) -> int:
+    """The exit code the interpreter gives a SystemExit (a message goes to stderr, with code 1)."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def finish(code: int) -> NoReturn:
+    """Exit as the interpreter does: wait for non-daemon threads, run the atexit functions, flush, exit."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's own step (multiprocessing's too)
+    except Exception:  # noqa: BLE001, S110 - exiting regardless
+        pass
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        exit_as(code)
