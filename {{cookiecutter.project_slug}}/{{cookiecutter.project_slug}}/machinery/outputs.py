@@ -25,6 +25,7 @@ from typing import Any
 from . import distributed
 from .distributed import DistEnv
 from .settings import RunError, flag
+from .snapshot.format import URL, sha256_file
 
 try:
     import fcntl
@@ -45,9 +46,6 @@ PATH_SETTINGS = (
     ("metrics_file", "file", True),
     ("log_file", "file", True),
 )
-
-
-URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")  # s3://, gs://, file://, ...
 
 
 def check_paths(cfg: Any, env: DistEnv) -> None:
@@ -243,8 +241,6 @@ class ExportFolder:
         """Rank 0, on a store: upload what the export folder holds (each file checked by reading it back)."""
         if self.store is None or self._fd is None:
             return
-        from .snapshot.format import sha256_file
-
         for name in EXPORT_FILES:
             path = os.path.join(self.directory, name)
             if os.path.isdir(path):

@@ -30,10 +30,10 @@ sibling folder `<folder>.set-aside-<date>-<time>`, unless the snapshots there we
 job: then this is a restart of that job, and it resumes. When the folder is a symbolic link, the folder it points
 to is moved aside (beside it) and made anew, so the link keeps its place and its disk.
 
-Where the code is: format.py (names, checksummed atomic writes, the manifest, checked reads, `load_latest`),
+Where the code is: format.py (names, checksummed atomic writes, the manifest, checked reads of a folder),
 rng.py (random streams), staging.py (copies off the training thread), folder.py (the folder's life: prepare,
 resume, set aside, prune), writer.py (`Snapshots`: save in the background and commit), store.py (the same on
-object storage: `--snapshot-dir s3://bucket/prefix`).
+object storage: `--snapshot-dir s3://bucket/prefix`; `load_latest` of a folder or a store).
 """
 
 from .format import (
@@ -42,7 +42,6 @@ from .format import (
     SHARED,
     SnapshotError,
     list_steps,
-    load_latest,
     manifest_digest,
     rank_file,
     read_manifest,
@@ -52,6 +51,7 @@ from .format import (
     write_json_atomic,
 )
 from .rng import OwnStreams, capture_rng, restore_rng
+from .store import load_latest
 from .writer import Snapshots
 
 __all__ = [

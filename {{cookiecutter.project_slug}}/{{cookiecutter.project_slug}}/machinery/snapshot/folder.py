@@ -11,11 +11,11 @@ from typing import Any, cast
 import torch.distributed as dist
 
 from .. import distributed, identity, joblock
-from ..outputs import URL
 from .format import (
     MANIFEST,
     RUN_FILE,
     SHARED_FOLDER_WAIT_S,
+    URL,
     SnapshotError,
     finished_save,
     list_steps,

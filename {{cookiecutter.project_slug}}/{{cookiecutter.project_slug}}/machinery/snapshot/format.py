@@ -16,8 +16,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from ..outputs import URL
 from ..settings import short_repr
+
+URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")  # s3://, gs://, file://, ...: a store, through fsspec (store.py)
 
 log = logging.getLogger(__name__)
 
@@ -354,7 +355,7 @@ def load_step(step_path, ranks, shards=(0, 1)):
     return state
 
 
-def load_latest(directory: str, rank: int | None = None) -> dict | None:
+def load_latest_in_folder(directory: str, rank: int | None = None) -> dict | None:
     """The newest snapshot in `directory` whose files all check out, or None when the folder holds none.
 
     Returns a dict with "model" (the unwrapped model's full state_dict, as plain CPU tensors: also for an fsdp
@@ -363,10 +364,6 @@ def load_latest(directory: str, rank: int | None = None) -> dict | None:
     "config", "run_id", "world_size", and `rank_state` for `rank` when given. Damaged snapshots are skipped with a
     warning; if every snapshot is damaged, SnapshotError says why.
     """
-    if URL.match(str(directory)):  # a store (store.py): downloaded, then read from here
-        from .store import load_latest_url
-
-        return load_latest_url(directory, rank, load_latest)
     reasons = []
     for step in list_steps(directory)[0]:
         step_path = os.path.join(directory, step_name(step))

@@ -26,8 +26,10 @@ import time
 from .format import (
     MANIFEST,
     RUN_FILE,
+    URL,
     SnapshotError,
     check_file,
+    load_latest_in_folder,
     new_manifest,
     read_manifest,
     read_receipt,
@@ -314,15 +316,19 @@ class Store:
             self.lock = None
 
 
-def load_latest_url(url: str, rank: int | None, load_folder):
-    """load_latest for a store: the newest snapshot whose objects all check out, downloaded to a temp folder."""
+def load_latest(directory: str, rank: int | None = None) -> dict | None:
+    """The newest snapshot in a folder or on a store whose files all check out (format.load_latest_in_folder says
+    what it holds), or None when there is none; on a store it is downloaded to a temp folder first."""
+    if not URL.match(str(directory)):
+        return load_latest_in_folder(directory, rank)
+    url = str(directory)
     store = Store(url, 0)
     folder = tempfile.mkdtemp(prefix="snapshot-load-")
     reasons = []
     for step in store.steps()[0]:
         reason = store.pull(step, folder)
         if reason is None:
-            return load_folder(folder, rank)  # the files stay: an fsdp snapshot's shards are read from there
+            return load_latest_in_folder(folder, rank)  # the files stay: an fsdp snapshot's shards are read from there
         log.warning("skipping snapshot %s: %s", store.where(step_name(step)), reason)
         reasons.append(reason)
         shutil.rmtree(os.path.join(folder, step_name(step)), ignore_errors=True)
