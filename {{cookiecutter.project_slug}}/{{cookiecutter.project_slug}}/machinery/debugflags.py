@@ -58,7 +58,7 @@ def log_dir(log_file: str, rank: int) -> str:
     """The folder of --log-file (this rank's, when the name holds {rank}); `logs` when --log-file is ''."""
     if not log_file:
         return "logs"
-    return os.path.dirname(os.path.abspath(log_file.replace("{rank}", str(rank))))
+    return os.path.dirname(logs.rank_file(log_file, rank))
 
 
 def replay_settings(cfg: Any, env: DistEnv) -> Any:

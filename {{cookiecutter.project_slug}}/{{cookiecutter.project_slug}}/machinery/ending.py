@@ -6,7 +6,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from . import identity
+from . import identity, logs
 from .report import Summary, snapshot_size, val_text, write_summary
 from .snapshot import step_name, write_json_atomic
 from .stop import STOP_RECORD, StopRequest
@@ -93,7 +93,7 @@ def run_summary(trainer: Trainer, already_complete: bool, stop_signal: int) -> S
         snapshot_dir=trainer.snapshots.store.url if trainer.snapshots.store else trainer.snapshots.directory,
         newest_snapshot=step_name(progress.step),
         export_dir=trainer.exports.store.url if trainer.exports.store else trainer.exports.directory,
-        log_file=os.path.abspath(cfg.log_file.replace("{rank}", "0")) if cfg.log_file else "",
+        log_file=logs.rank_file(cfg.log_file, 0),
         metrics_file=trainer.metrics_file,
         already_complete=already_complete,
         stop_signal=stop_signal,

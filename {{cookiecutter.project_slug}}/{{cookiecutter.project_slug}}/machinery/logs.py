@@ -48,6 +48,11 @@ class _ConsoleHandler(logging.StreamHandler):
             self.handleError(record)
 
 
+def rank_file(log_file: str, rank: int) -> str:
+    """This rank's --log-file, absolute: `{rank}` in the name becomes the rank ('' stays '')."""
+    return os.path.abspath(log_file.replace("{rank}", str(rank))) if log_file else ""
+
+
 def setup(rank: int, log_file: str = "", level: int = logging.INFO) -> None:
     """Configure the root logger for this rank. Calling it again replaces, never duplicates, its handlers."""
     every_rank = os.environ.get("DEBUG_ALL_RANKS", "").lower() in ("1", "true", "yes")
@@ -63,7 +68,7 @@ def setup(rank: int, log_file: str = "", level: int = logging.INFO) -> None:
     file_level = console_level
     if log_file:
         per_rank = "{rank}" in log_file
-        path = log_file.replace("{rank}", str(rank))
+        path = rank_file(log_file, rank)
         if per_rank:
             file_level = logging.DEBUG
         elif rank != 0:

@@ -22,7 +22,7 @@ import re
 import time
 from typing import Any
 
-from . import distributed
+from . import distributed, logs
 from .distributed import DistEnv
 from .settings import RunError, flag
 from .snapshot.format import URL, sha256_file
@@ -75,7 +75,7 @@ def path_problem(name: str, value: str, kind: str, optional: bool) -> str | None
 
         problem = url_problem(value)
         return f"{where}: {problem}" if problem else None
-    path = os.path.abspath(value.replace("{rank}", "0") if name == "log_file" else value)
+    path = logs.rank_file(value, 0) if name == "log_file" else os.path.abspath(value)
     if kind == "folder" and os.path.exists(path) and not os.path.isdir(path):
         return f"{where} is a file, not a folder"
     if kind == "file" and os.path.isdir(path):

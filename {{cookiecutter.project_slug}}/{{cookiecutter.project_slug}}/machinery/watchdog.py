@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 
+from . import logs
+
 log = logging.getLogger(__name__)
 
 
@@ -24,7 +26,7 @@ class HangWatch:
 
     def __init__(self, rank: int, after_s: float, log_file: str):
         self.rank, self.after_s = rank, after_s
-        folder = os.path.dirname(os.path.abspath(log_file.replace("{rank}", str(rank)))) if log_file else ""
+        folder = os.path.dirname(logs.rank_file(log_file, rank)) if log_file else ""
         self.path = os.path.join(folder, f"stacks-rank{rank}.txt") if folder else ""
         self._last_beat = time.monotonic()
         self._closed = threading.Event()
