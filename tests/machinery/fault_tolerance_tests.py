@@ -48,7 +48,13 @@ def test_crash_inside_a_save_resumes_from_the_newest_save_whose_every_part_was_w
     cmd = train_cmd(2, ["--max-restarts=3"], script="tests/fault_injection.py") + ARGS + outputs(tmp_path)
     restart = "warm" if rank == 1 else "cold"  # the exact resume both ways: WARM_RESTART=0 makes restarts cold
     fault = {"FAULT": "crash_in_save", "FAULT_RANK": rank, "FAULT_STEP": 60, "FAULT_FILE": where}
-    env = injected(tmp_path, **fault, RECORD_STARTS=tmp_path / "starts", WARM_RESTART="1" if rank == 1 else "0")
+    env = injected(
+        tmp_path,
+        **fault,
+        RECORD_STARTS=tmp_path / "starts",
+        WARM_RESTART="1" if rank == 1 else "0",
+        WARM_START_POOL="",  # first attempts cold: the restarts are the job's own zygote's to make warm
+    )
     out = run(cmd, env=env).stdout
     assert (tmp_path / "fault-fired").exists()
     assert len(FAILED_ATTEMPT.findall(out)) == 1

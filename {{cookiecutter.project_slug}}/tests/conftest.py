@@ -293,11 +293,15 @@ def sigkill_at_random_and_resume(tmp_path, nproc, args, kill_after=(12, 40), wor
     proc = start(
         train_cmd(nproc, ["--max-restarts=2"], script=script) + args + outputs(tmp_path), env=env, cwd=workspace
     )
+    # The workers first (reading /proc takes a while): a warm run takes milliseconds a step, so the kill follows
+    # the chosen step at once, at a moment within the next steps.
+    workers = wait_for(lambda: len(found := worker_pids(proc.pid)) == nproc and found, timeout=180, what="workers")
     step = random.randint(*kill_after)
-    wait_for(lambda: any(logged >= step for logged in logged_steps(tmp_path)), timeout=180, what=f"step {step}")
-    time.sleep(random.uniform(0, 0.3))
+    reached = lambda: any(logged >= step for logged in logged_steps(tmp_path))  # noqa: E731
+    wait_for(reached, timeout=180, interval=0.002, what=f"step {step}")
+    time.sleep(random.uniform(0, 0.01))
     victim = random.randrange(nproc)
-    os.kill(worker_pids(proc.pid)[victim], signal.SIGKILL)
+    os.kill(workers[victim], signal.SIGKILL)
     code, out = finish(proc)
     assert code == 0, out[-5000:]
     resumed = summary(tmp_path)
