@@ -261,11 +261,10 @@ READING = [
     "for the previous save's write to the local staging folder, as a folder run waits for its write). What slows "
     "the steps is the CPU the uploads take on a machine with no core to spare: the ranks' own (s3fs sends each "
     "object and reads it back to check its sha256) and, here only, moto's.",
-    "- Uploads go one snapshot after another, in order, each one whole. When a snapshot comes before the previous "
-    "one is uploaded, it waits in the staging folder (on local disk) and the delay adds up: at one snapshot a "
-    "step, the time to commit grows through the run (first 10% against last 10% of the snapshots above), and the "
-    "end of the run waits until the last one is committed (last step to job exit). A snapshot interval longer "
-    "than one upload keeps the delay flat (the large model, every 10 steps).",
+    "- One snapshot is staged and uploaded at a time. A snapshot step that comes while the one before is still "
+    "being staged or uploaded is skipped on every rank (one WARNING; `committed / saved` counts the snapshots "
+    "saved): no queue builds up on disk, the time to commit stays flat through the run (first 10% against last "
+    "10%), and the end of the run waits for one upload at most (last step to job exit).",
     "- For a small snapshot an upload costs requests, not bytes (each rank's objects are put and read back, rank 0 "
     "waits for the other ranks' receipts, checks every object's size, writes the manifest and the run's files, "
     "then lists the prefix and reads the kept manifests to prune).",
@@ -286,7 +285,7 @@ def write_report(out, result):
         "",
         f"Measured {info['date']} on {info['cpu']}, {info['nproc']} cores, torch {info['torch']}, Python "
         f"{info['python']}; 1-minute load {info['load_before'][0]:.2f} at the start, {info['load_end'][0]:.2f} at "
-        f"the end (other helpers' test runs share the machine); other processes used {info['foreign_cpu_s']:.0f} s "
+        f"the end; other processes used {info['foreign_cpu_s']:.0f} s "
         f"of CPU in {info['wall_s']:.0f} s. Command: `{command}` (bakes the template; `$(scripts/setup-env.sh)` "
         "gives the interpreter).",
         "",
