@@ -84,7 +84,7 @@ def build_and_restore(trainer: Trainer) -> dict | None:
         trainer.run_id = tracking.run_id(env, trainer.snapshots.directory)
         # on a store at once, not with the first snapshot: a restart before that one is committed, whichever
         # machine its rank 0 is on, continues this run id (and its metrics file, its wandb run)
-        trainer.snapshots.keep_beside(RUN_FILE)
+        distributed.decided_on_rank_0(env, lambda: trainer.snapshots.keep_beside(RUN_FILE), SnapshotError)
         resumed = trainer.snapshots.resume()
     except SnapshotError as exc:
         raise RunError(str(exc)) from None
