@@ -19,7 +19,7 @@ import shlex
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -31,11 +31,26 @@ from .settings import RunError, flag
 from .snapshot import restore_rng
 from .state import all_finite
 
-if TYPE_CHECKING:
-    from .trainer import Trainer
-
 log = logging.getLogger(__name__)
 REPLAY_FLAGS = ("--resume-from", "--break-at-step")
+
+
+class Run(Protocol):
+    """What the guard reads of the run it watches (trainer.Trainer): the parts a replay trains with."""
+
+    env: DistEnv
+    model: nn.Module
+    snapshots: Any
+    state: Any
+    batches: Any
+    progress: Any
+    stepper: Any
+    partners: Any
+    last_saved: int | None
+
+    def forward_backward(self, micro_batches: Any) -> None: ...
+
+    def optimizer_step(self) -> bool: ...
 
 
 @dataclass
@@ -50,7 +65,7 @@ class Origin:
     loss: bool = False
 
 
-def replay(trainer: Any, bad_step: int) -> tuple[int, list[Origin]] | None:
+def replay(trainer: Run, bad_step: int) -> tuple[int, list[Origin]] | None:
     """Every rank together: (the snapshot step the replay started from, each rank's Origin at `bad_step`), or None
     when no snapshot before `bad_step` is kept (or the replay failed: the run's own error is the one to report)."""
     try:
@@ -131,17 +146,6 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
-def rerun_advice(trainer: Trainer) -> str:
-    """What running the same command again does once a run stopped on a non-finite value: resume from the newest
-    snapshot, which is from before it, or start from scratch when none was saved."""
-    if trainer.last_saved is None:
-        return (
-            f"then run the same command again: no snapshot was saved before this step, so it starts from scratch "
-            f"(a smaller {flag('snapshot_every')} keeps one to replay the step from and resume from)"
-        )
-    return f"then run the same command again to resume from the snapshot of step {trainer.last_saved}"
-
-
 def replay_command(env: DistEnv, snapshot_step: int, bad_step: int) -> str:
     """The run's own command, with the flags that replay `bad_step` from the snapshot and stop there."""
     args, skip = [], False
@@ -158,42 +162,61 @@ def replay_command(env: DistEnv, snapshot_step: int, bad_step: int) -> str:
     return f"{launcher} {shlex.join([script, *args, *replay_args])}"
 
 
-def check_finite(trainer: Trainer) -> None:
-    """Stop the run (every rank at once) when a step so far had a NaN or infinite loss or gradient: the
-    weights it made are not saved, and the newest snapshot is from before it. Once a step (a step that both
-    logs and saves asks twice; every rank alike)."""
-    if trainer.finite_until == trainer.progress.step:
-        return
-    found = trainer.stepper.first_nonfinite()
-    if found is None:
-        trainer.finite_until = trainer.progress.step
-        return
-    step, ranks = found
-    if ranks:
-        what = f"the loss is not finite at step {step} on {', '.join(f'rank {rank}' for rank in ranks)}"
-    else:
-        what = (
-            f"the gradient is not finite at step {step} on every rank (averaged over the ranks; the loss was "
-            f"finite on every rank: a NaN or infinity arose in backward)"
-        )
-    where = ""
-    replayed = replay(trainer, step) if trainer.partners.alone else None
-    if replayed is not None:
-        snapshot_step, origins = replayed
-        command = replay_command(trainer.env, snapshot_step, step)
-        where = f"; replayed from step {snapshot_step}, {describe(origins, step)}; to step into it: {command}"
-    raise RunError(
-        f"{what}{where}. The run stops, and no snapshot is saved from that step on. Lower {flag('lr')}, set "
-        f"{flag('clip_grad')}, or check the data and the model; {rerun_advice(trainer)}"
-    )
+class NonfiniteGuard:
+    """The run's watch over NaN and infinity: the last step it found every loss and gradient so far finite, the
+    check at each log and snapshot that stops the run (every rank at once), and the replay naming the origin."""
 
+    def __init__(self, run: Run):
+        self.run = run
+        self.finite_until = -1  # the last step check() found every loss and gradient so far finite
 
-def synced_loss(trainer: Trainer) -> float:
-    """The mean training loss since the last log, over every rank; a NaN or infinite one stops the run."""
-    try:
-        return trainer.stepper.mean_loss()
-    except FloatingPointError:
+    def check(self) -> None:
+        """Stop the run when a step so far had a NaN or infinite loss or gradient: the weights it made are not
+        saved, and the newest snapshot is from before it. Once a step (a step that both logs and saves asks twice;
+        every rank alike)."""
+        run = self.run
+        if self.finite_until == run.progress.step:
+            return
+        found = run.stepper.first_nonfinite()
+        if found is None:
+            self.finite_until = run.progress.step
+            return
+        step, ranks = found
+        if ranks:
+            what = f"the loss is not finite at step {step} on {', '.join(f'rank {rank}' for rank in ranks)}"
+        else:
+            what = (
+                f"the gradient is not finite at step {step} on every rank (averaged over the ranks; the loss was "
+                f"finite on every rank: a NaN or infinity arose in backward)"
+            )
+        where = ""
+        replayed = replay(run, step) if run.partners.alone else None
+        if replayed is not None:
+            snapshot_step, origins = replayed
+            command = replay_command(run.env, snapshot_step, step)
+            where = f"; replayed from step {snapshot_step}, {describe(origins, step)}; to step into it: {command}"
         raise RunError(
-            f"the training loss is not finite at step {trainer.progress.step}: the run diverged, so no snapshot is "
-            f"saved from it. Lower {flag('lr')}, set {flag('clip_grad')}, or check the data; {rerun_advice(trainer)}"
-        ) from None
+            f"{what}{where}. The run stops, and no snapshot is saved from that step on. Lower {flag('lr')}, set "
+            f"{flag('clip_grad')}, or check the data and the model; {self.rerun_advice()}"
+        )
+
+    def synced_loss(self) -> float:
+        """The mean training loss since the last log, over every rank; a NaN or infinite one stops the run."""
+        try:
+            return self.run.stepper.mean_loss()
+        except FloatingPointError:
+            raise RunError(
+                f"the training loss is not finite at step {self.run.progress.step}: the run diverged, so no snapshot "
+                f"is saved from it. Lower {flag('lr')}, set {flag('clip_grad')}, or check the data; "
+                f"{self.rerun_advice()}"
+            ) from None
+
+    def rerun_advice(self) -> str:
+        """What running the same command again does once a run stopped on a non-finite value: resume from the
+        newest snapshot, which is from before it, or start from scratch when none was saved."""
+        if self.run.last_saved is None:
+            return (
+                f"then run the same command again: no snapshot was saved before this step, so it starts from "
+                f"scratch (a smaller {flag('snapshot_every')} keeps one to replay the step from and resume from)"
+            )
+        return f"then run the same command again to resume from the snapshot of step {self.run.last_saved}"

@@ -119,7 +119,7 @@ class Trainer:
         self.hang_watch = watchdog.HangWatch(env.rank, timeout * 0.8, cfg.log_file)  # stacks, before the timeout
         self.partners.join(self)  # from here on, the jobs meet at every step
         self._timer = time.perf_counter()
-        self.finite_until = -1  # the last step nonfinite.check_finite found every loss and gradient so far finite
+        self.nonfinite = nonfinite.NonfiniteGuard(self)  # NaN and infinity: the check at logs and snapshots
         # The random streams last, right before the first step, so nothing in between can draw from them.
         if rng_state is not None:
             restore_rng(rng_state)
@@ -159,8 +159,8 @@ class Trainer:
     def log_metrics(self) -> None:
         """Mean loss since the last log over every rank, learning rate, speed; stops a run whose loss diverged."""
         progress, elapsed = self.progress, time.perf_counter() - self._timer
-        nonfinite.check_finite(self)
-        loss = nonfinite.synced_loss(self)
+        self.nonfinite.check()
+        loss = self.nonfinite.synced_loss()
         progress.last_loss = loss
         if math.isnan(progress.first_loss):
             progress.first_loss = loss
@@ -196,12 +196,12 @@ class Trainer:
 
     def save_snapshot(self, blocking: bool = False) -> None:
         """Start writing a snapshot of this step in the background (snapshot/); refuse a diverged state."""
-        nonfinite.check_finite(self)  # no snapshot of what a step with a NaN or infinite loss or gradient made
+        self.nonfinite.check()  # no snapshot of what a step with a NaN or infinite loss or gradient made
         if not distributed.all_true(self.env, self.state.finite()):
             raise RunError(
                 f"the weights or the optimizer state are not finite at step {self.progress.step} (their gradients "
                 f"were): no snapshot is saved from them. Lower {flag('lr')} or check the optimizer's settings; "
-                f"{nonfinite.rerun_advice(self)}"
+                f"{self.nonfinite.rerun_advice()}"
             )
         step = self.progress.step
         behind = self.snapshots.store is not None and not distributed.all_true(self.env, not self.snapshots.uploading())
