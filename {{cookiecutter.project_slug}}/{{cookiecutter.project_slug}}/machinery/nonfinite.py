@@ -17,9 +17,10 @@ import logging
 import os
 import shlex
 import sys
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -167,7 +168,9 @@ class NonfiniteGuard:
     check at each log and snapshot that stops the run (every rank at once), and the replay naming the origin."""
 
     def __init__(self, run: Run):
-        self.run = run
+        # Not a reference that keeps the run alive: the Trainer and its process group's threads go when train()
+        # returns, not at the next garbage collection
+        self.run = cast(Run, weakref.proxy(run))
         self.finite_until = -1  # the last step check() found every loss and gradient so far finite
 
     def check(self) -> None:
