@@ -168,6 +168,8 @@ def test_a_sigkilled_job_resumes_from_the_store_bitwise_equal(tmp_path, bucket, 
         assert code == 0, f"{folder.name} exited {code}:\n{out[-5000:]}"
     done = json.loads(store().cat_file(f"{bucket}/export/summary.json"))
     assert done["resumed_from"] >= 20 and (done["world_size"], done["steps"]) == (2, 120), done
+    newest = json.loads(store().cat_file(f"{bucket}/run/{step_name(120)}/manifest.json"))
+    assert done["snapshot_bytes"] == sum(entry["size"] for entry in newest["files"].values()) > 0
     # rank 0's metrics file, on whichever machine: one run's records, every logged step once (a restart that
     # found no run id on the store, e.g. before its first commit, started another run and set them aside)
     records = [record for folder, _ in machines for record in metrics(folder)]

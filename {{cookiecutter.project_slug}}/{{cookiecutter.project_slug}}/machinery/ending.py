@@ -7,7 +7,7 @@ import os
 from typing import Any, Protocol
 
 from . import identity, logs
-from .report import Summary, snapshot_size, val_text, write_summary
+from .report import Summary, val_text, write_summary
 from .snapshot import step_name, write_json_atomic
 from .stop import STOP_RECORD, StopRequest
 
@@ -115,5 +115,5 @@ def run_summary(trainer: Ending, already_complete: bool, stop_signal: int) -> Su
         metrics_file=trainer.metrics_file,
         already_complete=already_complete,
         stop_signal=stop_signal,
-        snapshot_bytes=snapshot_size(trainer.snapshots.step_folder(progress.step)),
+        snapshot_bytes=trainer.snapshots.size(progress.step),
     )

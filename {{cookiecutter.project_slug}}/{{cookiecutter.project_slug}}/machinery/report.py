@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from .distributed import DistEnv
 from .settings import flag, to_toml
-from .snapshot import SnapshotError, read_manifest, write_atomic
+from .snapshot import write_atomic
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -103,14 +103,6 @@ def write_summary(summary: Summary, export_dir: str) -> None:
     text = json.dumps(fields, indent=1)
     os.makedirs(export_dir, exist_ok=True)
     write_atomic(os.path.join(export_dir, "summary.json"), lambda f: f.write(text.encode()))
-
-
-def snapshot_size(step_folder: str) -> int:
-    """The bytes of a committed snapshot's files, as its checked manifest lists them (0 when there is none)."""
-    try:
-        return sum(entry["size"] for entry in read_manifest(step_folder)["files"].values())
-    except SnapshotError:
-        return 0
 
 
 def write_config(cfg: Any, snapshot_dir: str) -> None:

@@ -126,6 +126,16 @@ class SnapshotFolder:
         timeout = getattr(self, "commit_timeout", 600.0)
         self.uploads = Uploader(self.store, self.env.rank, self.env.world_size, self.keep, timeout)
 
+    def size(self, step: int) -> int:
+        """The bytes of the committed snapshot of `step`, as its checked manifest lists them (0 where there is none)."""
+        manifest = self.store.read_manifest(step) if self.store is not None else None
+        if self.store is None:
+            try:
+                manifest = read_manifest(self.step_folder(step))
+            except SnapshotError:
+                manifest = None
+        return sum(entry["size"] for entry in manifest["files"].values()) if manifest else 0
+
     def keep_beside(self, name: str) -> None:
         """Rank 0: on a store, upload a file written beside the snapshots (the run id, stop.py's record) to the store
         too."""
