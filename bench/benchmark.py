@@ -40,7 +40,7 @@ from common import (
     machine,
     median,
     process_start,
-    scratch_dir,
+    scratch_folder,
     steps_per_second,
     worker_pids,
 )
@@ -444,10 +444,9 @@ def main():
     info = machine()
     info["load_before"] = load()[0]
     log(f"{info['cpu']}, {info['nproc']} cores, torch {info['torch']}, 1-minute load {info['load_before']:.2f}")
-    work = scratch_dir("ddp-bench-")
     whole = CpuMeter()
     raw, meters = {}, {}
-    try:
+    with scratch_folder("ddp-bench-", args.keep, log) as work:
         project, package = (
             (Path(args.project).resolve(), Path(args.project).resolve().name) if args.project else bake(work / "bake")
         )
@@ -465,11 +464,6 @@ def main():
             meter = CpuMeter()
             raw[name] = section()
             meters[name] = meter.stop()
-    finally:
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            log(f"scratch folder kept: {work}")
     info.update(whole.stop())
     rows = summarize(raw.get("overhead"), raw.get("restart"), raw.get("scaling"), raw.get("snapshot"))
     command = "./bench.sh" + "".join(f" {a}" for a in sys.argv[1:])

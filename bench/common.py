@@ -1,11 +1,13 @@
 """What the benchmark and the kill stress test share: baking, launching torchrun under the probe, reading its clocks."""
 
+import contextlib
 import datetime
 import glob
 import json
 import os
 import platform
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -255,3 +257,16 @@ def wait_for(predicate, timeout, what, poll=0.005):
 
 def scratch_dir(prefix):
     return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+@contextlib.contextmanager
+def scratch_folder(prefix, keep, say=print):
+    """A new folder for a benchmark's files (scratch_dir): removed when the block ends, or kept and named (--keep)."""
+    folder = scratch_dir(prefix)
+    try:
+        yield folder
+    finally:
+        if keep:
+            say(f"scratch folder kept: {folder}")
+        else:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -16,13 +16,12 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import sys
 import time
 from pathlib import Path
 
-from common import BENCH, FAILED_ATTEMPT, CpuMeter, Run, bake, load, machine, median, scratch_dir, worker_pids
+from common import BENCH, FAILED_ATTEMPT, CpuMeter, Run, bake, load, machine, median, scratch_folder, worker_pids
 
 ARGS = [
     "--wandb",
@@ -84,9 +83,8 @@ def main():
     info = machine()
     info["load_before"] = load()[0]
     meter = CpuMeter()
-    work = scratch_dir("ddp-kill-stress-")
     rows = []
-    try:
+    with scratch_folder("ddp-kill-stress-", args.keep, log) as work:
         project, package = (
             (Path(args.project).resolve(), Path(args.project).resolve().name) if args.project else bake(work / "bake")
         )
@@ -139,11 +137,6 @@ def main():
                 f"back {'-' if back is None else f'{back:.2f} s'} after the kill, "
                 f"weights {'equal' if row['equal'] else 'DIFFERENT'}"
             )
-    finally:
-        if args.keep:
-            log(f"scratch folder kept: {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
 
     info.update(meter.stop())
     write_report(args.out, info, rows, training_s, " ".join(["python bench/kill_stress.py", *sys.argv[1:]]))

@@ -22,11 +22,10 @@ import shutil
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from common import CpuMeter, bake, load, machine
+from common import CpuMeter, bake, load, machine, scratch_folder
 
 ARCH = {"n_embd": 768, "n_layer": 6, "n_head": 12, "n_positions": 256, "vocab_size": 50257}
 TINY = {"n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 256, "vocab_size": 128}
@@ -204,8 +203,7 @@ def main():
     info = machine()
     info["load_before"] = load()[0]
     meter = CpuMeter()
-    work = Path(tempfile.mkdtemp(prefix="pretrained-memory-"))
-    try:
+    with scratch_folder("pretrained-memory-", args.keep) as work:
         if args.project:
             shutil.copytree(args.project, work / "ddp_project", ignore=shutil.ignore_patterns(".venv", "logs"))
             project, package = work / "ddp_project", "ddp_project"
@@ -249,11 +247,6 @@ def main():
                         f"{row['launch_to_first_forward_s']:.1f} s",
                         flush=True,
                     )
-    finally:
-        if args.keep:
-            print(f"scratch folder kept: {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
     info.update(meter.stop())
     runs = [info]
     if args.update:  # the rows of the cases not measured now, and the runs that measured them
