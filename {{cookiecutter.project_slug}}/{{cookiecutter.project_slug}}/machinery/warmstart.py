@@ -44,6 +44,7 @@ from .processexit import debugged, exit_as, finish, run_and_exit
 
 ENV_SWITCH = "WARM_RESTART"  # "0": every restart is cold
 ENV_POOL = "WARM_START_POOL"  # names a standing zygote (serve_pool) that serves first starts too
+POOL_ADDRESS = "\0warm-start-pool-"  # + its name: the pool's socket, in Linux's abstract namespace
 NAME = "warm-restart"  # the zygote's process name (ps -o comm, top): it trains nothing itself
 PR_SET_NAME = 15  # from <linux/prctl.h>
 FORWARDED = tuple(
@@ -112,21 +113,14 @@ def serve_restarts() -> None:
         return
     if not os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0").strip().isdigit():
         return
-    if int(os.environ["TORCHELASTIC_MAX_RESTARTS"]) == 0 or threading.active_count() > 1:
-        return  # no restarts to serve; a fork copies only the calling thread
-    torch = sys.modules.get("torch")
-    if torch is None or torch.cuda.is_initialized():
-        return  # nothing to keep; a CUDA context does not survive fork()
+    if int(os.environ["TORCHELASTIC_MAX_RESTARTS"]) == 0 or not _forkable():
+        return  # no restarts to serve, or nothing to keep
     importlib.import_module("torch._dynamo")  # this worker imports it next anyway (distributed.init): 1-2 s of CPU
     agent = os.getppid()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()  # nothing buffered may be written twice
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        listener.bind(_address(agent, os.environ["TORCHELASTIC_RUN_ID"]))
-        listener.listen(64)
-    except OSError:
-        listener.close()
+    listener = _listen(_address(agent, os.environ["TORCHELASTIC_RUN_ID"]))
+    if listener is None:
         return  # this job's zygote is there already
     first = os.fork()
     if first:
@@ -161,7 +155,7 @@ def handoff() -> None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.settimeout(30)  # a zygote that does not answer: start cold
     try:
-        conn.connect(_pool_address(pool) if pool else _address(agent, os.environ["TORCHELASTIC_RUN_ID"]))
+        conn.connect(POOL_ADDRESS + pool if pool else _address(agent, os.environ["TORCHELASTIC_RUN_ID"]))
         request = {
             "argv": sys.argv,
             "module": module,
@@ -209,15 +203,10 @@ def stop(agent: int, run_id: str) -> None:
             pass
 
 
-def _pool_address(name: str) -> str:
-    return "\0warm-start-pool-" + name
-
-
 def serve_pool(name: str) -> None:
-    """Be a standing zygote named `name` for as long as the parent process lives (a test session, a notebook):
-    each train.py started with WARM_START_POOL=name in its environment, a first start or a restart, under torchrun
-    or not, runs in a fork of it and skips the imports (2-3 s of CPU). Returns at once where it cannot serve.
-    """
+    """Be a standing zygote named `name` while the parent process lives (a test session): every train.py started
+    with WARM_START_POOL=name, first start or restart, under torchrun or not, runs in a fork of it and skips the
+    imports (2-3 s of CPU). Returns at once where it cannot serve."""
     if not enabled():
         return
     package = __name__.split(".")[0]
@@ -228,17 +217,27 @@ def serve_pool(name: str) -> None:
             importlib.import_module(module)
         except Exception:  # noqa: BLE001, S112 - a run that imports it says what is wrong
             continue
-    torch = sys.modules["torch"]
-    if threading.active_count() > 1 or torch.cuda.is_initialized():
-        return  # a fork copies only the calling thread; a CUDA context does not survive fork()
+    listener = _listen(POOL_ADDRESS + name) if _forkable() else None
+    if listener is not None:  # else served already, or not to be forked
+        _Zygote(listener, os.getppid(), pool=True).run()
+
+
+def _forkable() -> bool:
+    """Torch imported, one thread (a fork copies only the caller), no CUDA context (none survives fork())."""
+    torch = sys.modules.get("torch")
+    return torch is not None and threading.active_count() == 1 and not torch.cuda.is_initialized()
+
+
+def _listen(address: str) -> socket.socket | None:
+    """A socket listening at `address`, or None where another zygote listens there already."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        listener.bind(_pool_address(name))
+        listener.bind(address)
         listener.listen(64)
     except OSError:
         listener.close()
-        return  # served already
-    _Zygote(listener, os.getppid(), pool=True).run()
+        return None
+    return listener
 
 
 def _frame(request: dict[str, Any]) -> bytes:

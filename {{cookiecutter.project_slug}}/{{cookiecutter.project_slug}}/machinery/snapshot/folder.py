@@ -128,12 +128,10 @@ class SnapshotFolder:
 
     def size(self, step: int) -> int:
         """The bytes of the committed snapshot of `step`, as its checked manifest lists them (0 where there is none)."""
-        manifest = self.store.read_manifest(step) if self.store is not None else None
-        if self.store is None:
-            try:
-                manifest = read_manifest(self.step_folder(step))
-            except SnapshotError:
-                manifest = None
+        try:
+            manifest = self.store.read_manifest(step) if self.store else read_manifest(self.step_folder(step))
+        except SnapshotError:  # a folder's manifest that does not check out (the store's reader gives None)
+            manifest = None
         return sum(entry["size"] for entry in manifest["files"].values()) if manifest else 0
 
     def keep_beside(self, name: str) -> None:
