@@ -98,7 +98,7 @@ def _in_process_only(request, monkeypatch):
 # to a standing zygote this test process starts once (machinery/warmstart.py's serve_pool), as a torchrun restart
 # hands itself to its job's. Tests of cold starts, of the job's own zygote or under a debugger (which is never
 # forked) start cold: child_env(WARM_START_POOL="").
-_POOL = {}
+_POOL: dict = {}  # its name -> its process, kept referenced while it runs
 
 
 def warm_pool():

@@ -57,8 +57,9 @@ def check_paths(cfg: Any, env: DistEnv) -> None:
             for name, kind, optional in PATH_SETTINGS
             if hasattr(cfg, name)
         ]
-        if any(found):
-            raise RunError("; ".join(problem for problem in found if problem))
+        problems = [problem for problem in found if problem]
+        if problems:
+            raise RunError("; ".join(problems))
 
     distributed.decided_on_rank_0(env, check, RunError)
 

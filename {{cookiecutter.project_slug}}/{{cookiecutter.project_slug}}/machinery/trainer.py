@@ -204,9 +204,10 @@ class Trainer:
                 f"{self.nonfinite.rerun_advice()}"
             )
         step = self.progress.step
-        behind = self.snapshots.store is not None and not distributed.all_true(self.env, not self.snapshots.uploading())
-        if behind and not blocking:
-            self.snapshots.skip(step)  # a store slower than --snapshot-every: no queue of uploads builds up
+        # A store slower than --snapshot-every: no queue of uploads builds up (a blocking save, the last, always saves)
+        may_skip = self.snapshots.store is not None and not blocking
+        if may_skip and not distributed.all_true(self.env, not self.snapshots.uploading()):
+            self.snapshots.skip(step)
             return
         frozen_in = self.state.frozen.held_by(step)  # an older snapshot may hold the frozen parameters (frozen.py)
         shared, rank_state, sharded_state = self.state.capture(without_frozen=frozen_in not in (None, step))
@@ -274,9 +275,7 @@ def train(cfg: Any, env: DistEnv, partners: Partners | None = None) -> Summary:
     cfg = replay_settings(cfg, env)  # --resume-from: a scratch copy of that snapshot is the run's snapshot folder
     check_debugger(cfg, env)  # --break-at-step: pdb without a terminal is refused before the model is built
     with (
-        Trainer(
-            cfg, env, partners
-        ) as trainer,  # model, data, optimizer, snapshots: restored from the newest good snapshot
+        Trainer(cfg, env, partners) as trainer,  # model, data, optimizer, snapshots: restored from the newest good one
         StopRequest(env) as stop,
         progress_bar(env, trainer.total_steps, trainer.progress.step) as bar,
         # --break-at-step, --profile-steps, --check-replicas: a step the run cannot reach is said here, at start-up
