@@ -105,7 +105,8 @@ def warm_pool():
     """The name of this test process's standing zygote; started on first use (until it is up, runs start cold)."""
     if not _POOL:
         name = f"{os.getpid()}-{random.SystemRandom().getrandbits(48):x}"
-        script = f"from {PACKAGE}.machinery import warmstart; warmstart.serve_pool({name!r})"
+        preload = tuple(filter(None, os.environ.get("WARM_START_PRELOAD", "").split(",")))  # e.g. transformers
+        script = f"from {PACKAGE}.machinery import warmstart; warmstart.serve_pool({name!r}, {preload!r})"
         env = child_env(WARM_START_POOL="")
         _POOL[name] = subprocess.Popen(
             [sys.executable, "-c", script],

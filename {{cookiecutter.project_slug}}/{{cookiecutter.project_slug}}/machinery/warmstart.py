@@ -203,14 +203,15 @@ def stop(agent: int, run_id: str) -> None:
             pass
 
 
-def serve_pool(name: str) -> None:
+def serve_pool(name: str, preload: tuple[str, ...] = ()) -> None:
     """Be a standing zygote named `name` while the parent process lives (a test session): every train.py started
     with WARM_START_POOL=name, first start or restart, under torchrun or not, runs in a fork of it and skips the
-    imports (2-3 s of CPU). Returns at once where it cannot serve."""
+    imports (2-3 s of CPU). `preload`: more installed packages its runs use (transformers, ...), imported once here.
+    Returns at once where it cannot serve."""
     if not enabled():
         return
     package = __name__.split(".")[0]
-    for module in ("torch._dynamo", f"{package}.machinery.trainer", f"{package}.machinery.debugflags"):
+    for module in ("torch._dynamo", f"{package}.machinery.trainer", f"{package}.machinery.debugflags", *preload):
         importlib.import_module(module)  # what every run imports, installed packages included
     for module in (f"{package}.model", f"{package}.data"):
         try:  # and the packages the project's model and data use (transformers, datasets, ...)
