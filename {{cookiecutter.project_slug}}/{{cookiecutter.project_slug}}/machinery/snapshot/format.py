@@ -319,7 +319,8 @@ def _check_shards(step_path, manifest, shards):
 
 
 def load_step(step_path, ranks, shards=(0, 1)):
-    """The shared state of one snapshot, with `rank_states` for the given ranks; raises SnapshotError.
+    """The shared state of one snapshot, with `rank_states` for the given ranks (None: every rank); raises
+    SnapshotError.
 
     A sharded snapshot's torch.distributed.checkpoint files are checked, not loaded (the trainer loads them, on
     every rank together): those whose index i in the sorted list has i % shards[1] == shards[0]. "sharded_dir"
@@ -331,8 +332,9 @@ def load_step(step_path, ranks, shards=(0, 1)):
     """
     manifest = read_manifest(step_path)
     state = load_checked(step_path, manifest, SHARED)
-    state["rank_states"] = {rank: load_checked(step_path, manifest, rank_file(rank)) for rank in ranks}
     state["world_size"] = int(manifest["world_size"])
+    ranks = range(state["world_size"]) if ranks is None else ranks
+    state["rank_states"] = {rank: load_checked(step_path, manifest, rank_file(rank)) for rank in ranks}
     _check_shards(step_path, manifest, shards)
     state["sharded_dir"] = os.path.join(step_path, SHARDED_DIR) if _sharded_files(manifest) else ""
     state["frozen_in"] = manifest.get("frozen_in", manifest["step"])
@@ -355,6 +357,48 @@ def load_step(step_path, ranks, shards=(0, 1)):
     return state
 
 
+def newest_usable(steps, load, where: str, agree=lambda ok: ok, advice: str = "") -> tuple[Any, list[int]]:
+    """(load(step) of the newest of `steps`, newest first, that loads; the steps skipped before it), or (None, [])
+    when there are no steps. An unusable one (load raises SnapshotError) is skipped with a warning. Ranks that
+    walk together pass `agree` (distributed.all_true): a step counts only when every rank loaded it, so they all
+    move to the next older one together. SnapshotError, with the reasons and `advice`, when none is usable."""
+    reasons: list[str] = []
+    skipped: list[int] = []
+    for step in steps:
+        state, reason = None, None
+        try:
+            state = load(step)
+        except SnapshotError as exc:
+            reason = str(exc)
+        if agree(reason is None):
+            return state, skipped
+        if reason:
+            log.warning("skipping snapshot %s: %s", os.path.join(where, step_name(step)), reason)
+            reasons.append(reason)
+        skipped.append(step)
+    if skipped:
+        why = "; ".join(reasons) or "every one is damaged on another rank (see its warnings)"
+        raise SnapshotError(f"no usable snapshot in {where}: {why}{advice}")
+    return None, []
+
+
+def load_whole(step_path: str, rank: int | None = None) -> dict:
+    """One snapshot as load_latest_in_folder gives it: every rank's files checked, an fsdp snapshot's shards
+    joined; SnapshotError says why it is unusable."""
+    state = load_step(step_path, None)
+    if state["sharded_dir"]:
+        for name in sharded_parts(state["sharded_dir"]):
+            if name != "optimizer":  # its shards stay as they are: keyed by parameter, not a state_dict
+                state[name] = read_sharded_model(state["sharded_dir"], name)
+        if state["frozen_dir"]:
+            frozen = read_sharded_model(state["frozen_dir"], "model")
+            state["frozen_filled"] = [key for key in frozen if key not in state["model"]]
+            state["model"] = {**{key: frozen[key] for key in state["frozen_filled"]}, **state["model"]}
+    if rank is not None:
+        state["rank_state"] = state["rank_states"].get(rank)
+    return state
+
+
 def load_latest_in_folder(directory: str, rank: int | None = None) -> dict | None:
     """The newest snapshot in `directory` whose files all check out, or None when the folder holds none.
 
@@ -364,31 +408,8 @@ def load_latest_in_folder(directory: str, rank: int | None = None) -> dict | Non
     "config", "run_id", "world_size", and `rank_state` for `rank` when given. Damaged snapshots are skipped with a
     warning; if every snapshot is damaged, SnapshotError says why.
     """
-    reasons = []
-    for step in list_steps(directory)[0]:
-        step_path = os.path.join(directory, step_name(step))
-        try:
-            manifest = read_manifest(step_path)
-            every_rank = range(int(manifest["world_size"]))
-            state = load_step(step_path, every_rank)
-            if state["sharded_dir"]:
-                for name in sharded_parts(state["sharded_dir"]):
-                    if name != "optimizer":  # its shards stay as they are: keyed by parameter, not a state_dict
-                        state[name] = read_sharded_model(state["sharded_dir"], name)
-                if state["frozen_dir"]:
-                    frozen = read_sharded_model(state["frozen_dir"], "model")
-                    state["frozen_filled"] = [key for key in frozen if key not in state["model"]]
-                    state["model"] = {**{key: frozen[key] for key in state["frozen_filled"]}, **state["model"]}
-        except SnapshotError as exc:
-            log.warning("skipping snapshot %s: %s", step_path, exc)
-            reasons.append(str(exc))
-            continue
-        if rank is not None:
-            state["rank_state"] = state["rank_states"].get(rank)
-        return state
-    if reasons:
-        raise SnapshotError(f"no usable snapshot in {os.path.abspath(directory)}: " + "; ".join(reasons))
-    return None
+    load = lambda step: load_whole(os.path.join(directory, step_name(step)), rank)  # noqa: E731
+    return newest_usable(list_steps(directory)[0], load, os.path.abspath(directory))[0]
 
 
 def shard_of(name: str) -> int | None:
@@ -399,21 +420,24 @@ def shard_of(name: str) -> int | None:
     return int(match.group(2)) if match.group(2) is not None else 0
 
 
-def sharded_parts(folder: str) -> list[str]:
-    """The parts a torch.distributed.checkpoint folder holds: "model", "optimizer" and model.py's extra ones."""
+def _read_metadata(folder: str):
+    """(a torch.distributed.checkpoint reader of `folder`, its metadata); SnapshotError when it is unreadable."""
     try:
-        metadata = dcp.FileSystemReader(folder).read_metadata()
+        reader = dcp.FileSystemReader(folder)
+        return reader, reader.read_metadata()
     except Exception as exc:  # the checksums matched: written by something else
         raise SnapshotError(f"{folder}: unreadable metadata ({type(exc).__name__}: {exc})") from exc
+
+
+def sharded_parts(folder: str) -> list[str]:
+    """The parts a torch.distributed.checkpoint folder holds: "model", "optimizer" and model.py's extra ones."""
+    metadata = _read_metadata(folder)[1]
     return sorted({key.split(".", 1)[0] for key in metadata.state_dict_metadata})
 
 
 def sharded_keys(folder: str, prefix: str = "model") -> list[str]:
     """The keys of a part's state_dict (by default the model's) that a torch.distributed.checkpoint folder holds."""
-    try:
-        metadata = dcp.FileSystemReader(folder).read_metadata()
-    except Exception as exc:  # the checksums matched: written by something else
-        raise SnapshotError(f"{folder}: unreadable metadata ({type(exc).__name__}: {exc})") from exc
+    metadata = _read_metadata(folder)[1]
     paths = metadata.planner_data or {}  # flat key "model.<fqn>" -> its path ("model", fqn)
     keys = []
     for flat_key in metadata.state_dict_metadata:
@@ -429,11 +453,7 @@ def read_sharded_model(folder: str, prefix: str = "model") -> dict[str, Any]:
     global size and dtype, so empty tensors of those are made for that entry only and DCP fills them from every
     rank's shards. The optimizer's entries are never read. A part's nested dicts come back nested (a list in it
     comes back as a dict keyed by position)."""
-    reader = dcp.FileSystemReader(folder)
-    try:
-        metadata = reader.read_metadata()
-    except Exception as exc:  # the checksums matched: written by something else
-        raise SnapshotError(f"{folder}: unreadable metadata ({type(exc).__name__}: {exc})") from exc
+    reader, metadata = _read_metadata(folder)
     paths = metadata.planner_data or {}  # flat key "model.<fqn>" -> its path ("model", fqn)
     state: dict[str, Any] = {}
     for flat_key, item in metadata.state_dict_metadata.items():

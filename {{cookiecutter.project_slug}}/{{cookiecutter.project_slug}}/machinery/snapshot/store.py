@@ -30,7 +30,9 @@ from .format import (
     SnapshotError,
     check_file,
     load_latest_in_folder,
+    load_whole,
     new_manifest,
+    newest_usable,
     read_manifest,
     read_receipt,
     receipt_file,
@@ -318,23 +320,23 @@ class Store:
 
 def load_latest(directory: str, rank: int | None = None) -> dict | None:
     """The newest snapshot in a folder or on a store whose files all check out (format.load_latest_in_folder says
-    what it holds), or None when there is none; on a store it is downloaded to a temp folder first."""
+    what it holds), or None when there is none; on a store it is downloaded to a temp folder first, where its files
+    stay (an fsdp snapshot's shards are read from there)."""
     if not URL.match(str(directory)):
         return load_latest_in_folder(directory, rank)
-    url = str(directory)
-    store = Store(url, 0)
+    store = Store(str(directory), 0)
     folder = tempfile.mkdtemp(prefix="snapshot-load-")
-    reasons = []
-    for step in store.steps()[0]:
-        reason = store.pull(step, folder)
-        if reason is None:
-            return load_latest_in_folder(folder, rank)  # the files stay: an fsdp snapshot's shards are read from there
-        log.warning("skipping snapshot %s: %s", store.where(step_name(step)), reason)
-        reasons.append(reason)
-        shutil.rmtree(os.path.join(folder, step_name(step)), ignore_errors=True)
-    if reasons:
-        raise SnapshotError(f"no usable snapshot in {url}: " + "; ".join(reasons))
-    return None
+
+    def load(step: int) -> dict:
+        try:
+            if reason := store.pull(step, folder):
+                raise SnapshotError(reason)
+            return load_whole(os.path.join(folder, step_name(step)), rank)
+        except SnapshotError:
+            shutil.rmtree(os.path.join(folder, step_name(step)), ignore_errors=True)
+            raise
+
+    return newest_usable(store.steps()[0], load, store.url)[0]
 
 
 class Uploader:
