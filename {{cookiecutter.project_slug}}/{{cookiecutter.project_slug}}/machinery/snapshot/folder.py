@@ -126,7 +126,7 @@ class SnapshotFolder:
             shutil.rmtree(self.directory, ignore_errors=True)
             os.makedirs(self.directory)
         timeout = getattr(self, "commit_timeout", 600.0)
-        self.uploads = Uploader(self.store, self.env.rank, self.env.world_size, self.keep, timeout)
+        self.uploads = Uploader(self.store, self.env.rank, self.keep, timeout)
 
     def size(self, step: int) -> int:
         """The bytes of the committed snapshot of `step`, as its checked manifest lists them (0 where there is none)."""

@@ -225,21 +225,28 @@ def new_manifest(folder: str, step: int, world_size: int, files: dict, job: str,
     return manifest
 
 
-def finished_save(folder: str, step: int) -> dict:
-    """The manifest of a save its job did not commit although every part of it was written: every rank's receipt is
-    there (rank 0's names the ranks and the job) and every file checks out against it. SnapshotError says what is
-    missing."""
+def receipts_manifest(folder: str, step: int, where: str, fetch=lambda rank: None) -> dict:
+    """The manifest that commits the save of `step` whose receipts are in `folder`: rank 0's, there already, names
+    the ranks, the job and where the frozen parameters are; fetch(rank) puts each other rank's there first (waits
+    for it, downloads it). SnapshotError says what is missing or wrong; `where` names the save in it."""
     first = read_receipt(folder, 0)
     world_size, job = first.get("world_size"), first.get("job")
     if not isinstance(world_size, int) or not _is_count(world_size, 1, MAX_WORLD_SIZE) or not isinstance(job, str):
         raise SnapshotError(f"{os.path.join(folder, receipt_file(0))} names no world size and job")
-    files: dict = {}
-    for rank in range(world_size):
-        files.update(first["files"] if rank == 0 else read_receipt(folder, rank)["files"])
-    for name in files:
-        check_file(folder, {"files": files}, name)
-    frozen_in = first.get("frozen_in")
-    return new_manifest(folder, step, world_size, files, job, frozen_in if isinstance(frozen_in, int) else None)
+    files = dict(first["files"])
+    for rank in range(1, world_size):
+        fetch(rank)
+        files.update(read_receipt(folder, rank)["files"])
+    return new_manifest(where, step, world_size, files, job, first.get("frozen_in"))
+
+
+def finished_save(folder: str, step: int) -> dict:
+    """The manifest of a save its job did not commit although every part of it was written: every rank's receipt is
+    there and every file checks out against it. SnapshotError says what is missing."""
+    manifest = receipts_manifest(folder, step, folder)
+    for name in manifest["files"]:
+        check_file(folder, manifest, name)
+    return manifest
 
 
 def read_manifest(step_path: str) -> dict:

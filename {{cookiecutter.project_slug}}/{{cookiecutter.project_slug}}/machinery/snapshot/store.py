@@ -31,11 +31,11 @@ from .format import (
     check_file,
     load_latest_in_folder,
     load_whole,
-    new_manifest,
     newest_usable,
     read_manifest,
     read_receipt,
     receipt_file,
+    receipts_manifest,
     step_name,
 )
 from .storelock import StoreLock, first_line
@@ -222,17 +222,12 @@ class Store:
 
     def _commit_finished(self, step: int) -> None:
         folder = os.path.join(self.local, ".finished", step_name(step))
+        fetch = lambda rank: self.download(  # noqa: E731
+            f"{step_name(step)}/{receipt_file(rank)}", os.path.join(folder, receipt_file(rank))
+        )
         try:
-            self.download(f"{step_name(step)}/{receipt_file(0)}", os.path.join(folder, receipt_file(0)))
-            world_size, first = read_receipt(folder, 0)["world_size"], read_receipt(folder, 0)
-            files = dict(first["files"])
-            for rank in range(1, world_size):
-                self.download(f"{step_name(step)}/{receipt_file(rank)}", os.path.join(folder, receipt_file(rank)))
-                files.update(read_receipt(folder, rank)["files"])
-            manifest = new_manifest(
-                self.where(step_name(step)), step, world_size, files, first["job"], first.get("frozen_in")
-            )
-            self.commit(step, manifest)
+            fetch(0)
+            self.commit(step, receipts_manifest(folder, step, self.where(step_name(step)), fetch))
             log.info(
                 "committed %s: every rank's part of it was uploaded before its job ended", self.where(step_name(step))
             )
@@ -342,8 +337,8 @@ def load_latest(directory: str, rank: int | None = None) -> dict | None:
 class Uploader:
     """This rank's background uploads, one save after another, in order; rank 0 commits each and prunes."""
 
-    def __init__(self, store: Store, rank: int, world_size: int, keep: int, commit_timeout: float):
-        self.store, self.rank, self.world_size, self.keep = store, rank, world_size, keep
+    def __init__(self, store: Store, rank: int, keep: int, commit_timeout: float):
+        self.store, self.rank, self.keep = store, rank, keep
         self.commit_timeout = commit_timeout
         self._queue: queue.Queue = queue.Queue()
         self._pending = 0
@@ -401,18 +396,18 @@ class Uploader:
         entry = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         self.store.upload(os.path.join(folder, own), f"{step_name(step)}/{own}", entry)
         if self.rank == 0:
-            self._commit(step, folder, receipt)
+            self._commit(step, folder)
         shutil.rmtree(folder, ignore_errors=True)
 
-    def _commit(self, step: int, folder: str, first: dict) -> None:
-        files = dict(first["files"])
+    def _commit(self, step: int, folder: str) -> None:
         deadline = time.monotonic() + self.commit_timeout
-        for rank in range(1, self.world_size):
-            name = f"{step_name(step)}/{receipt_file(rank)}"
+
+        def fetch(rank: int) -> None:
             while True:
                 try:
-                    self.store.download(name, os.path.join(folder, receipt_file(rank)))
-                    break
+                    return self.store.download(
+                        f"{step_name(step)}/{receipt_file(rank)}", os.path.join(folder, receipt_file(rank))
+                    )
                 except FileNotFoundError:
                     if time.monotonic() > deadline or self.closed:
                         raise SnapshotError(
@@ -420,10 +415,8 @@ class Uploader:
                             f"{self.commit_timeout:.0f} s"
                         ) from None
                     time.sleep(0.1)
-            files.update(read_receipt(folder, rank)["files"])
-        manifest = new_manifest(
-            self.store.where(step_name(step)), step, self.world_size, files, first["job"], first.get("frozen_in")
-        )
+
+        manifest = receipts_manifest(folder, step, self.store.where(step_name(step)), fetch)
         if self.closed:
             raise SnapshotError(f"not committing {self.store.where(step_name(step))}: the job ended first")
         self.store.commit(step, manifest)
