@@ -244,7 +244,24 @@ class SnapshotFolder:
         if store is not None:  # rank 0 lists the store: every rank walks the same steps
             committed = distributed.broadcast_object(env, store.steps()[0] if env.is_main else None)
         else:
-            committed = self._agreed_steps()
+            committed = list_steps(self.directory)[0]
+
+        def newest():
+            return committed[0] if committed else -1
+
+        def caught_up():
+            committed[:] = list_steps(self.directory)[0]
+            return newest() == high
+
+        low, high = distributed.all_min_max(env, newest())
+        if low != high:  # a lagging view of a shared folder may need a moment to show the newest snapshot
+            _eventually(caught_up)
+            low, high = distributed.all_min_max(env, newest())
+        if low != high:
+            raise SnapshotError(
+                f"ranks disagree on the newest snapshot in {self.directory} (step {low} on some ranks, {high} on "
+                "others): on several machines, --snapshot-dir must be one folder they all share"
+            )
 
         def load(step: int) -> dict:
             if store is not None and (reason := store.pull(step, self.directory)):
@@ -262,28 +279,6 @@ class SnapshotFolder:
         self._set_aside(skipped)
         state["rank_state"] = state["rank_states"].get(env.rank)
         return state
-
-    def _agreed_steps(self) -> list[int]:
-        """The committed steps, newest first, once every rank sees the same newest one in the shared folder."""
-        committed = list_steps(self.directory)[0]
-
-        def newest():
-            return committed[0] if committed else -1
-
-        def caught_up():
-            committed[:] = list_steps(self.directory)[0]
-            return newest() == high
-
-        low, high = distributed.all_min_max(self.env, newest())
-        if low != high:  # a lagging view of a shared folder may need a moment to show the newest snapshot
-            _eventually(caught_up)
-            low, high = distributed.all_min_max(self.env, newest())
-        if low != high:
-            raise SnapshotError(
-                f"ranks disagree on the newest snapshot in {self.directory} (step {low} on some ranks, {high} on "
-                "others): on several machines, --snapshot-dir must be one folder they all share"
-            )
-        return committed
 
     def _set_aside(self, steps):
         """Rename damaged snapshots, kept for a post-mortem, out of the way of the saves to come; on a store, where

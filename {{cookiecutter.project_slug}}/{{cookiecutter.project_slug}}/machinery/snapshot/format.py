@@ -54,7 +54,7 @@ def receipt_file(rank: int) -> str:
     return f"rank-{rank:05d}.json"
 
 
-def _step_of_folder(name):
+def step_of_folder(name):
     """The step a folder name stands for, or None unless it is exactly step_name(step)."""
     match = STEP_DIR.match(name)
     if not match or step_name(int(match.group(1))) != name:
@@ -257,7 +257,7 @@ def read_manifest(step_path: str) -> dict:
             manifest = json.load(handle)
     except (OSError, ValueError, RecursionError) as exc:
         raise SnapshotError(f"{path}: unreadable manifest ({type(exc).__name__}: {exc})") from exc
-    problem = manifest_problem(manifest, _step_of_folder(os.path.basename(os.path.normpath(step_path))))
+    problem = manifest_problem(manifest, step_of_folder(os.path.basename(os.path.normpath(step_path))))
     if problem:
         raise SnapshotError(f"{path}: malformed manifest: {problem}")
     return manifest
@@ -304,7 +304,7 @@ def list_steps(directory: str) -> tuple[list[int], list[int]]:
     except FileNotFoundError:
         return [], []
     for name in names:
-        step = _step_of_folder(name)
+        step = step_of_folder(name)
         if step is None:
             if STEP_DIR.match(name):
                 log.debug(
@@ -326,8 +326,7 @@ def _check_shards(step_path, manifest, shards):
 
 
 def load_step(step_path, ranks, shards=(0, 1)):
-    """The shared state of one snapshot, with `rank_states` for the given ranks (None: every rank); raises
-    SnapshotError.
+    """The shared state of one snapshot, with `rank_states` for `ranks` (None: every rank); raises SnapshotError.
 
     A sharded snapshot's torch.distributed.checkpoint files are checked, not loaded (the trainer loads them, on
     every rank together): those whose index i in the sorted list has i % shards[1] == shards[0]. "sharded_dir"

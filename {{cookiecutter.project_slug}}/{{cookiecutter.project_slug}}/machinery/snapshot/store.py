@@ -37,6 +37,7 @@ from .format import (
     receipt_file,
     receipts_manifest,
     step_name,
+    step_of_folder,
 )
 from .storelock import StoreLock, first_line
 
@@ -160,13 +161,11 @@ class Store:
         found: dict[int, bool] = {}
         for name in names:
             parts = name[len(self.root) + 1 :].split("/")
-            if len(parts) >= 2 and parts[0].startswith("step-"):
-                step = parts[0][len("step-") :]
-                if step.isdigit() and step_name(int(step)) == parts[0]:
-                    found[int(step)] = found.get(int(step), False) or parts[1:] == [MANIFEST]
-        return sorted((s for s, done in found.items() if done), reverse=True), sorted(
-            s for s, d in found.items() if not d
-        )
+            step = step_of_folder(parts[0]) if len(parts) >= 2 else None
+            if step is not None:
+                found[step] = found.get(step, False) or parts[1:] == [MANIFEST]
+        committed = [step for step, done in found.items() if done]
+        return sorted(committed, reverse=True), sorted(found.keys() - set(committed))
 
     def upload(self, local: str, name: str, entry: dict) -> None:
         """Put one file and check it by reading it back: its size and sha256 must be the receipt's."""
@@ -315,8 +314,7 @@ class Store:
 
 def load_latest(directory: str, rank: int | None = None) -> dict | None:
     """The newest snapshot in a folder or on a store whose files all check out (format.load_latest_in_folder says
-    what it holds), or None when there is none; on a store it is downloaded to a temp folder first, where its files
-    stay (an fsdp snapshot's shards are read from there)."""
+    what it holds), or None when there is none; on a store it is downloaded to a temp folder first, and stays."""
     if not URL.match(str(directory)):
         return load_latest_in_folder(directory, rank)
     store = Store(str(directory), 0)
