@@ -6,7 +6,7 @@ import os
 import secrets
 import shutil
 import time
-from typing import Any, cast
+from typing import cast
 
 import torch.distributed as dist
 
@@ -20,6 +20,7 @@ from .format import (
     finished_save,
     list_steps,
     load_step,
+    newest_usable,
     read_manifest,
     sha256_file,
     step_name,
@@ -28,6 +29,7 @@ from .format import (
 from .store import Store, Uploader
 
 log = logging.getLogger(__name__)
+DAMAGED_ADVICE = "Move the snapshots away to start from scratch, or point --snapshot-dir elsewhere."
 
 
 def _eventually(check, timeout=SHARED_FOLDER_WAIT_S, interval=0.2):
@@ -124,7 +126,7 @@ class SnapshotFolder:
             shutil.rmtree(self.directory, ignore_errors=True)
             os.makedirs(self.directory)
         timeout = getattr(self, "commit_timeout", 600.0)
-        self.uploads = Uploader(self.store, self.env.rank, self.env.world_size, self.keep, timeout)
+        self.uploads = Uploader(self.store, self.env.rank, self.keep, timeout)
 
     def size(self, step: int) -> int:
         """The bytes of the committed snapshot of `step`, as its checked manifest lists them (0 where there is none)."""
@@ -140,22 +142,6 @@ class SnapshotFolder:
         if self.store is not None and self.env.is_main:
             path = os.path.join(self.directory, name)
             self.store.upload(path, name, {"size": os.path.getsize(path), "sha256": sha256_file(path)})
-
-    def _pull_from_store(self):
-        """Download the newest snapshot on the store that every rank finds whole into each rank's staging folder;
-        older ones are tried when an object is missing or damaged."""
-        committed = distributed.broadcast_object(self.env, self.store.steps()[0] if self.env.is_main else None)
-        for step in committed:
-            reason = self.store.pull(step, self.directory)
-            if distributed.all_true(self.env, reason is None):
-                return
-            if reason:
-                log.warning("skipping snapshot %s: %s", self.store.where(step_name(step)), reason)
-            shutil.rmtree(self.step_folder(step), ignore_errors=True)
-        if committed:
-            raise SnapshotError(
-                f"no usable snapshot in {self.store.url}: every one is damaged (see the warnings above)"
-            )
 
     def _check_folder(self, estimated_bytes, fresh_start):
         """Rank 0's part of prepare(): the token of the probe file it writes; SnapshotError naming a problem."""
@@ -250,13 +236,15 @@ class SnapshotFolder:
     def resume(self) -> dict | None:
         """The newest snapshot good for every rank, loaded on every rank; None when the folder holds none.
 
-        Each rank checks the files it needs (shared.pt and its own rank file). A snapshot counts only if every
-        rank found its files good; otherwise all ranks move to the next older one together.
+        Each rank checks the files it needs (shared.pt and its own rank file; on a store, it downloads the whole
+        snapshot into its staging folder first). A snapshot counts only if every rank found its files good;
+        otherwise all ranks move to the next older one together.
         """
-        env = self.env
-        if self.store is not None:
-            self._pull_from_store()
-        committed = list_steps(self.directory)[0]
+        env, store = self.env, self.store
+        if store is not None:  # rank 0 lists the store: every rank walks the same steps
+            committed = distributed.broadcast_object(env, store.steps()[0] if env.is_main else None)
+        else:
+            committed = list_steps(self.directory)[0]
 
         def newest():
             return committed[0] if committed else -1
@@ -274,34 +262,31 @@ class SnapshotFolder:
                 f"ranks disagree on the newest snapshot in {self.directory} (step {low} on some ranks, {high} on "
                 "others): on several machines, --snapshot-dir must be one folder they all share"
             )
-        skipped: list[int] = []
-        for step in committed:
+
+        def load(step: int) -> dict:
+            if store is not None and (reason := store.pull(step, self.directory)):
+                raise SnapshotError(reason)
             step_path = self.step_folder(step)
-            state: dict[str, Any] = {}
-            reason: str | None = None
-            try:
-                manifest = read_manifest(step_path)
-                same_world = manifest["world_size"] == env.world_size
-                # Each rank checks its share of a sharded snapshot's files; together they check all of them.
-                state = load_step(step_path, [env.rank] if same_world else [], (env.rank, env.world_size))
-            except SnapshotError as exc:
-                reason = str(exc)
-            if distributed.all_true(env, reason is None):
-                self._set_aside(skipped)
-                state["rank_state"] = state["rank_states"].get(env.rank)
-                return state
-            if reason:
-                log.warning("skipping snapshot %s: %s", step_path, reason)
-            skipped.append(step)
-        if committed:
-            raise SnapshotError(
-                f"no usable snapshot in {self.directory}: every one is damaged (see the warnings above). "
-                "Move the folder away to start from scratch, or point --snapshot-dir elsewhere."
-            )
-        return None
+            same_world = read_manifest(step_path)["world_size"] == env.world_size
+            # Each rank checks its share of a sharded snapshot's files; together they check all of them.
+            return load_step(step_path, [env.rank] if same_world else [], (env.rank, env.world_size))
+
+        agree = lambda ok: distributed.all_true(env, ok)  # noqa: E731
+        where = store.url if store else self.directory
+        state, skipped = newest_usable(committed, load, where, agree, f". {DAMAGED_ADVICE}")
+        if state is None:
+            return None
+        self._set_aside(skipped)
+        state["rank_state"] = state["rank_states"].get(env.rank)
+        return state
 
     def _set_aside(self, steps):
-        """Rename damaged snapshots, kept for a post-mortem, out of the way of the saves to come."""
+        """Rename damaged snapshots, kept for a post-mortem, out of the way of the saves to come; on a store, where
+        they stay, remove their downloaded copies."""
+        if self.store is not None:
+            for step in steps:
+                shutil.rmtree(self.step_folder(step), ignore_errors=True)
+            return
         if self.env.is_main:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             for step in steps:

@@ -54,7 +54,7 @@ def receipt_file(rank: int) -> str:
     return f"rank-{rank:05d}.json"
 
 
-def _step_of_folder(name):
+def step_of_folder(name):
     """The step a folder name stands for, or None unless it is exactly step_name(step)."""
     match = STEP_DIR.match(name)
     if not match or step_name(int(match.group(1))) != name:
@@ -225,21 +225,28 @@ def new_manifest(folder: str, step: int, world_size: int, files: dict, job: str,
     return manifest
 
 
-def finished_save(folder: str, step: int) -> dict:
-    """The manifest of a save its job did not commit although every part of it was written: every rank's receipt is
-    there (rank 0's names the ranks and the job) and every file checks out against it. SnapshotError says what is
-    missing."""
+def receipts_manifest(folder: str, step: int, where: str, fetch=lambda rank: None) -> dict:
+    """The manifest that commits the save of `step` whose receipts are in `folder`: rank 0's, there already, names
+    the ranks, the job and where the frozen parameters are; fetch(rank) puts each other rank's there first (waits
+    for it, downloads it). SnapshotError says what is missing or wrong; `where` names the save in it."""
     first = read_receipt(folder, 0)
     world_size, job = first.get("world_size"), first.get("job")
     if not isinstance(world_size, int) or not _is_count(world_size, 1, MAX_WORLD_SIZE) or not isinstance(job, str):
         raise SnapshotError(f"{os.path.join(folder, receipt_file(0))} names no world size and job")
-    files: dict = {}
-    for rank in range(world_size):
-        files.update(first["files"] if rank == 0 else read_receipt(folder, rank)["files"])
-    for name in files:
-        check_file(folder, {"files": files}, name)
-    frozen_in = first.get("frozen_in")
-    return new_manifest(folder, step, world_size, files, job, frozen_in if isinstance(frozen_in, int) else None)
+    files = dict(first["files"])
+    for rank in range(1, world_size):
+        fetch(rank)
+        files.update(read_receipt(folder, rank)["files"])
+    return new_manifest(where, step, world_size, files, job, first.get("frozen_in"))
+
+
+def finished_save(folder: str, step: int) -> dict:
+    """The manifest of a save its job did not commit although every part of it was written: every rank's receipt is
+    there and every file checks out against it. SnapshotError says what is missing."""
+    manifest = receipts_manifest(folder, step, folder)
+    for name in manifest["files"]:
+        check_file(folder, manifest, name)
+    return manifest
 
 
 def read_manifest(step_path: str) -> dict:
@@ -250,7 +257,7 @@ def read_manifest(step_path: str) -> dict:
             manifest = json.load(handle)
     except (OSError, ValueError, RecursionError) as exc:
         raise SnapshotError(f"{path}: unreadable manifest ({type(exc).__name__}: {exc})") from exc
-    problem = manifest_problem(manifest, _step_of_folder(os.path.basename(os.path.normpath(step_path))))
+    problem = manifest_problem(manifest, step_of_folder(os.path.basename(os.path.normpath(step_path))))
     if problem:
         raise SnapshotError(f"{path}: malformed manifest: {problem}")
     return manifest
@@ -297,7 +304,7 @@ def list_steps(directory: str) -> tuple[list[int], list[int]]:
     except FileNotFoundError:
         return [], []
     for name in names:
-        step = _step_of_folder(name)
+        step = step_of_folder(name)
         if step is None:
             if STEP_DIR.match(name):
                 log.debug(
@@ -319,7 +326,7 @@ def _check_shards(step_path, manifest, shards):
 
 
 def load_step(step_path, ranks, shards=(0, 1)):
-    """The shared state of one snapshot, with `rank_states` for the given ranks; raises SnapshotError.
+    """The shared state of one snapshot, with `rank_states` for `ranks` (None: every rank); raises SnapshotError.
 
     A sharded snapshot's torch.distributed.checkpoint files are checked, not loaded (the trainer loads them, on
     every rank together): those whose index i in the sorted list has i % shards[1] == shards[0]. "sharded_dir"
@@ -331,8 +338,9 @@ def load_step(step_path, ranks, shards=(0, 1)):
     """
     manifest = read_manifest(step_path)
     state = load_checked(step_path, manifest, SHARED)
-    state["rank_states"] = {rank: load_checked(step_path, manifest, rank_file(rank)) for rank in ranks}
     state["world_size"] = int(manifest["world_size"])
+    ranks = range(state["world_size"]) if ranks is None else ranks
+    state["rank_states"] = {rank: load_checked(step_path, manifest, rank_file(rank)) for rank in ranks}
     _check_shards(step_path, manifest, shards)
     state["sharded_dir"] = os.path.join(step_path, SHARDED_DIR) if _sharded_files(manifest) else ""
     state["frozen_in"] = manifest.get("frozen_in", manifest["step"])
@@ -355,6 +363,48 @@ def load_step(step_path, ranks, shards=(0, 1)):
     return state
 
 
+def newest_usable(steps, load, where: str, agree=lambda ok: ok, advice: str = "") -> tuple[Any, list[int]]:
+    """(load(step) of the newest of `steps`, newest first, that loads; the steps skipped before it), or (None, [])
+    when there are no steps. An unusable one (load raises SnapshotError) is skipped with a warning. Ranks that
+    walk together pass `agree` (distributed.all_true): a step counts only when every rank loaded it, so they all
+    move to the next older one together. SnapshotError, with the reasons and `advice`, when none is usable."""
+    reasons: list[str] = []
+    skipped: list[int] = []
+    for step in steps:
+        state, reason = None, None
+        try:
+            state = load(step)
+        except SnapshotError as exc:
+            reason = str(exc)
+        if agree(reason is None):
+            return state, skipped
+        if reason:
+            log.warning("skipping snapshot %s: %s", os.path.join(where, step_name(step)), reason)
+            reasons.append(reason)
+        skipped.append(step)
+    if skipped:
+        why = "; ".join(reasons) or "every one is damaged on another rank (see its warnings)"
+        raise SnapshotError(f"no usable snapshot in {where}: {why}{advice}")
+    return None, []
+
+
+def load_whole(step_path: str, rank: int | None = None) -> dict:
+    """One snapshot as load_latest_in_folder gives it: every rank's files checked, an fsdp snapshot's shards
+    joined; SnapshotError says why it is unusable."""
+    state = load_step(step_path, None)
+    if state["sharded_dir"]:
+        for name in sharded_parts(state["sharded_dir"]):
+            if name != "optimizer":  # its shards stay as they are: keyed by parameter, not a state_dict
+                state[name] = read_sharded_model(state["sharded_dir"], name)
+        if state["frozen_dir"]:
+            frozen = read_sharded_model(state["frozen_dir"], "model")
+            state["frozen_filled"] = [key for key in frozen if key not in state["model"]]
+            state["model"] = {**{key: frozen[key] for key in state["frozen_filled"]}, **state["model"]}
+    if rank is not None:
+        state["rank_state"] = state["rank_states"].get(rank)
+    return state
+
+
 def load_latest_in_folder(directory: str, rank: int | None = None) -> dict | None:
     """The newest snapshot in `directory` whose files all check out, or None when the folder holds none.
 
@@ -364,31 +414,8 @@ def load_latest_in_folder(directory: str, rank: int | None = None) -> dict | Non
     "config", "run_id", "world_size", and `rank_state` for `rank` when given. Damaged snapshots are skipped with a
     warning; if every snapshot is damaged, SnapshotError says why.
     """
-    reasons = []
-    for step in list_steps(directory)[0]:
-        step_path = os.path.join(directory, step_name(step))
-        try:
-            manifest = read_manifest(step_path)
-            every_rank = range(int(manifest["world_size"]))
-            state = load_step(step_path, every_rank)
-            if state["sharded_dir"]:
-                for name in sharded_parts(state["sharded_dir"]):
-                    if name != "optimizer":  # its shards stay as they are: keyed by parameter, not a state_dict
-                        state[name] = read_sharded_model(state["sharded_dir"], name)
-                if state["frozen_dir"]:
-                    frozen = read_sharded_model(state["frozen_dir"], "model")
-                    state["frozen_filled"] = [key for key in frozen if key not in state["model"]]
-                    state["model"] = {**{key: frozen[key] for key in state["frozen_filled"]}, **state["model"]}
-        except SnapshotError as exc:
-            log.warning("skipping snapshot %s: %s", step_path, exc)
-            reasons.append(str(exc))
-            continue
-        if rank is not None:
-            state["rank_state"] = state["rank_states"].get(rank)
-        return state
-    if reasons:
-        raise SnapshotError(f"no usable snapshot in {os.path.abspath(directory)}: " + "; ".join(reasons))
-    return None
+    load = lambda step: load_whole(os.path.join(directory, step_name(step)), rank)  # noqa: E731
+    return newest_usable(list_steps(directory)[0], load, os.path.abspath(directory))[0]
 
 
 def shard_of(name: str) -> int | None:
@@ -399,21 +426,24 @@ def shard_of(name: str) -> int | None:
     return int(match.group(2)) if match.group(2) is not None else 0
 
 
-def sharded_parts(folder: str) -> list[str]:
-    """The parts a torch.distributed.checkpoint folder holds: "model", "optimizer" and model.py's extra ones."""
+def _read_metadata(folder: str):
+    """(a torch.distributed.checkpoint reader of `folder`, its metadata); SnapshotError when it is unreadable."""
     try:
-        metadata = dcp.FileSystemReader(folder).read_metadata()
+        reader = dcp.FileSystemReader(folder)
+        return reader, reader.read_metadata()
     except Exception as exc:  # the checksums matched: written by something else
         raise SnapshotError(f"{folder}: unreadable metadata ({type(exc).__name__}: {exc})") from exc
+
+
+def sharded_parts(folder: str) -> list[str]:
+    """The parts a torch.distributed.checkpoint folder holds: "model", "optimizer" and model.py's extra ones."""
+    metadata = _read_metadata(folder)[1]
     return sorted({key.split(".", 1)[0] for key in metadata.state_dict_metadata})
 
 
 def sharded_keys(folder: str, prefix: str = "model") -> list[str]:
     """The keys of a part's state_dict (by default the model's) that a torch.distributed.checkpoint folder holds."""
-    try:
-        metadata = dcp.FileSystemReader(folder).read_metadata()
-    except Exception as exc:  # the checksums matched: written by something else
-        raise SnapshotError(f"{folder}: unreadable metadata ({type(exc).__name__}: {exc})") from exc
+    metadata = _read_metadata(folder)[1]
     paths = metadata.planner_data or {}  # flat key "model.<fqn>" -> its path ("model", fqn)
     keys = []
     for flat_key in metadata.state_dict_metadata:
@@ -429,11 +459,7 @@ def read_sharded_model(folder: str, prefix: str = "model") -> dict[str, Any]:
     global size and dtype, so empty tensors of those are made for that entry only and DCP fills them from every
     rank's shards. The optimizer's entries are never read. A part's nested dicts come back nested (a list in it
     comes back as a dict keyed by position)."""
-    reader = dcp.FileSystemReader(folder)
-    try:
-        metadata = reader.read_metadata()
-    except Exception as exc:  # the checksums matched: written by something else
-        raise SnapshotError(f"{folder}: unreadable metadata ({type(exc).__name__}: {exc})") from exc
+    reader, metadata = _read_metadata(folder)
     paths = metadata.planner_data or {}  # flat key "model.<fqn>" -> its path ("model", fqn)
     state: dict[str, Any] = {}
     for flat_key, item in metadata.state_dict_metadata.items():

@@ -138,14 +138,9 @@ def join_dtensors(obj: Any, layouts: dict[tuple, tuple]) -> Any:
     return _map_state(obj, wrap)
 
 
-def _cuda_tensors(obj, path):
-    """(place, tensor) of every strided CUDA tensor in obj, walking dicts, lists and tuples as _map_state does."""
-    if isinstance(obj, torch.Tensor):
-        if obj.is_cuda and obj.layout == torch.strided:
-            yield path, obj.detach()
-    elif isinstance(obj, dict):
-        for key, value in obj.items():
-            yield from _cuda_tensors(value, path + (key,))
-    elif isinstance(obj, (list, tuple)):
-        for index, value in enumerate(obj):
-            yield from _cuda_tensors(value, path + (index,))
+def _cuda_tensors(obj: Any, path: tuple) -> list[tuple[tuple, torch.Tensor]]:
+    """(place, tensor) of every strided CUDA tensor in obj, places as _map_state gives them."""
+    found: list[tuple[tuple, torch.Tensor]] = []
+    cuda = lambda value: isinstance(value, torch.Tensor) and value.is_cuda and value.layout == torch.strided  # noqa: E731
+    _map_state(obj, lambda place, value: found.append((place, value.detach())) if cuda(value) else None, path)
+    return found

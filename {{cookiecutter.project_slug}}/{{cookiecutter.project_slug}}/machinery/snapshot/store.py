@@ -30,11 +30,14 @@ from .format import (
     SnapshotError,
     check_file,
     load_latest_in_folder,
-    new_manifest,
+    load_whole,
+    newest_usable,
     read_manifest,
     read_receipt,
     receipt_file,
+    receipts_manifest,
     step_name,
+    step_of_folder,
 )
 from .storelock import StoreLock, first_line
 
@@ -158,13 +161,11 @@ class Store:
         found: dict[int, bool] = {}
         for name in names:
             parts = name[len(self.root) + 1 :].split("/")
-            if len(parts) >= 2 and parts[0].startswith("step-"):
-                step = parts[0][len("step-") :]
-                if step.isdigit() and step_name(int(step)) == parts[0]:
-                    found[int(step)] = found.get(int(step), False) or parts[1:] == [MANIFEST]
-        return sorted((s for s, done in found.items() if done), reverse=True), sorted(
-            s for s, d in found.items() if not d
-        )
+            step = step_of_folder(parts[0]) if len(parts) >= 2 else None
+            if step is not None:
+                found[step] = found.get(step, False) or parts[1:] == [MANIFEST]
+        committed = [step for step, done in found.items() if done]
+        return sorted(committed, reverse=True), sorted(found.keys() - set(committed))
 
     def upload(self, local: str, name: str, entry: dict) -> None:
         """Put one file and check it by reading it back: its size and sha256 must be the receipt's."""
@@ -220,17 +221,12 @@ class Store:
 
     def _commit_finished(self, step: int) -> None:
         folder = os.path.join(self.local, ".finished", step_name(step))
+        fetch = lambda rank: self.download(  # noqa: E731
+            f"{step_name(step)}/{receipt_file(rank)}", os.path.join(folder, receipt_file(rank))
+        )
         try:
-            self.download(f"{step_name(step)}/{receipt_file(0)}", os.path.join(folder, receipt_file(0)))
-            world_size, first = read_receipt(folder, 0)["world_size"], read_receipt(folder, 0)
-            files = dict(first["files"])
-            for rank in range(1, world_size):
-                self.download(f"{step_name(step)}/{receipt_file(rank)}", os.path.join(folder, receipt_file(rank)))
-                files.update(read_receipt(folder, rank)["files"])
-            manifest = new_manifest(
-                self.where(step_name(step)), step, world_size, files, first["job"], first.get("frozen_in")
-            )
-            self.commit(step, manifest)
+            fetch(0)
+            self.commit(step, receipts_manifest(folder, step, self.where(step_name(step)), fetch))
             log.info(
                 "committed %s: every rank's part of it was uploaded before its job ended", self.where(step_name(step))
             )
@@ -318,30 +314,29 @@ class Store:
 
 def load_latest(directory: str, rank: int | None = None) -> dict | None:
     """The newest snapshot in a folder or on a store whose files all check out (format.load_latest_in_folder says
-    what it holds), or None when there is none; on a store it is downloaded to a temp folder first."""
+    what it holds), or None when there is none; on a store it is downloaded to a temp folder first, and stays."""
     if not URL.match(str(directory)):
         return load_latest_in_folder(directory, rank)
-    url = str(directory)
-    store = Store(url, 0)
+    store = Store(str(directory), 0)
     folder = tempfile.mkdtemp(prefix="snapshot-load-")
-    reasons = []
-    for step in store.steps()[0]:
-        reason = store.pull(step, folder)
-        if reason is None:
-            return load_latest_in_folder(folder, rank)  # the files stay: an fsdp snapshot's shards are read from there
-        log.warning("skipping snapshot %s: %s", store.where(step_name(step)), reason)
-        reasons.append(reason)
-        shutil.rmtree(os.path.join(folder, step_name(step)), ignore_errors=True)
-    if reasons:
-        raise SnapshotError(f"no usable snapshot in {url}: " + "; ".join(reasons))
-    return None
+
+    def load(step: int) -> dict:
+        try:
+            if reason := store.pull(step, folder):
+                raise SnapshotError(reason)
+            return load_whole(os.path.join(folder, step_name(step)), rank)
+        except SnapshotError:
+            shutil.rmtree(os.path.join(folder, step_name(step)), ignore_errors=True)
+            raise
+
+    return newest_usable(store.steps()[0], load, store.url)[0]
 
 
 class Uploader:
     """This rank's background uploads, one save after another, in order; rank 0 commits each and prunes."""
 
-    def __init__(self, store: Store, rank: int, world_size: int, keep: int, commit_timeout: float):
-        self.store, self.rank, self.world_size, self.keep = store, rank, world_size, keep
+    def __init__(self, store: Store, rank: int, keep: int, commit_timeout: float):
+        self.store, self.rank, self.keep = store, rank, keep
         self.commit_timeout = commit_timeout
         self._queue: queue.Queue = queue.Queue()
         self._pending = 0
@@ -399,18 +394,18 @@ class Uploader:
         entry = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         self.store.upload(os.path.join(folder, own), f"{step_name(step)}/{own}", entry)
         if self.rank == 0:
-            self._commit(step, folder, receipt)
+            self._commit(step, folder)
         shutil.rmtree(folder, ignore_errors=True)
 
-    def _commit(self, step: int, folder: str, first: dict) -> None:
-        files = dict(first["files"])
+    def _commit(self, step: int, folder: str) -> None:
         deadline = time.monotonic() + self.commit_timeout
-        for rank in range(1, self.world_size):
-            name = f"{step_name(step)}/{receipt_file(rank)}"
+
+        def fetch(rank: int) -> None:
             while True:
                 try:
-                    self.store.download(name, os.path.join(folder, receipt_file(rank)))
-                    break
+                    return self.store.download(
+                        f"{step_name(step)}/{receipt_file(rank)}", os.path.join(folder, receipt_file(rank))
+                    )
                 except FileNotFoundError:
                     if time.monotonic() > deadline or self.closed:
                         raise SnapshotError(
@@ -418,10 +413,8 @@ class Uploader:
                             f"{self.commit_timeout:.0f} s"
                         ) from None
                     time.sleep(0.1)
-            files.update(read_receipt(folder, rank)["files"])
-        manifest = new_manifest(
-            self.store.where(step_name(step)), step, self.world_size, files, first["job"], first.get("frozen_in")
-        )
+
+        manifest = receipts_manifest(folder, step, self.store.where(step_name(step)), fetch)
         if self.closed:
             raise SnapshotError(f"not committing {self.store.where(step_name(step))}: the job ended first")
         self.store.commit(step, manifest)

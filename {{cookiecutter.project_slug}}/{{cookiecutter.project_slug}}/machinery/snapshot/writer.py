@@ -21,10 +21,9 @@ from .format import (
     SHARDED_DIR,
     SHARED,
     SnapshotError,
-    new_manifest,
     rank_file,
-    read_receipt,
     receipt_file,
+    receipts_manifest,
     sha256_file,
     shard_of,
     write_atomic,
@@ -282,26 +281,24 @@ class Snapshots(SnapshotFolder):
             if self.uploads is not None:  # the store: each rank uploads its part, rank 0 commits (store.py)
                 self.uploads.submit(step)
             elif self.env.is_main:
-                self.commit(folder, step, frozen_in)
+                self.commit(folder, step)
         except BaseException as exc:  # handed to the training thread by wait() or wait_until_copied()
             self._error = exc
             self._copied.set()
 
-    def commit(self, folder, step, frozen_in=None):
+    def commit(self, folder, step):
         """Rank 0, on the writer thread: write the manifest once every rank's receipt is in, then prune old
         snapshots."""
-        files = {}
         deadline = time.monotonic() + self.commit_timeout
-        for rank in range(self.env.world_size):
-            path = os.path.join(folder, receipt_file(rank))
-            if not self._arrives(path, deadline):
+
+        def arrives(rank):
+            if not self._arrives(os.path.join(folder, receipt_file(rank)), deadline):
                 raise SnapshotError(
                     f"rank {rank}'s part of {folder} did not appear within {self.commit_timeout:.0f} s: is "
                     "--snapshot-dir a folder every machine shares?"
                 )
-            files.update(read_receipt(folder, rank)["files"])
-        # never one a reader rejects
-        manifest = new_manifest(folder, step, self.env.world_size, files, self.job, frozen_in)
+
+        manifest = receipts_manifest(folder, step, folder, arrives)
         if self._closed:
             raise SnapshotError(f"not committing {folder}: the snapshot folder was closed while it was written")
         if self.job_lock is not None and self.job_lock.lost:
