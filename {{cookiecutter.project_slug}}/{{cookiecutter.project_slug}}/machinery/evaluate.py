@@ -10,7 +10,10 @@ afterwards, so evaluating changes nothing a bitwise resume depends on.
 
 from __future__ import annotations
 
+import logging
 import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,10 +23,13 @@ from . import distributed
 from .batches import to_device
 from .distributed import DistEnv
 from .hooks import UserCode
+from .outputs import ExportFolder
 from .parallel import DistributedModel
 from .settings import RunError
 from .snapshot import capture_rng, restore_rng
+from .tracking import MetricsLog
 
+log = logging.getLogger(__name__)
 COUNT = " count"  # the sums' count, kept beside them under a name no val_metrics key can take
 
 
@@ -74,3 +80,45 @@ def evaluate(
     results = {"val_loss": totals.pop("loss") / count}
     results.update({f"val_{name}": total / count for name, total in sorted(totals.items())})
     return results, size
+
+
+class Validator:
+    """Evaluation at every --eval-every step and the last: its results go to the metrics (and val_loss to the
+    progress, for the summary); the best val_loss so far exports its weights as best.pt."""
+
+    def __init__(
+        self,
+        val_data: Any,
+        parallel: DistributedModel,
+        user: UserCode,
+        cfg: Any,
+        env: DistEnv,
+        metrics: MetricsLog,
+        exports: ExportFolder,
+        beat: Callable[[], None],
+    ):
+        self.val_data, self.parallel, self.user, self.cfg, self.env = val_data, parallel, user, cfg, env
+        self.metrics, self.exports, self.beat = metrics, exports, beat  # `beat`: marks progress (watchdog.py)
+
+    def maybe_evaluate(self) -> None:
+        if self.metrics.length.due(self.metrics.progress.step, self.cfg.eval_every):
+            self.evaluate()
+
+    def evaluate(self) -> None:
+        started = time.perf_counter()
+        results, count = evaluate(self.val_data, self.parallel, self.user, self.cfg, self.env, self.beat)
+        if not results:
+            return
+        progress, seconds = self.metrics.progress, time.perf_counter() - started
+        progress.val_loss = results["val_loss"]
+        log.info(
+            "eval at step %d: %s (%d samples, %.1f s)",
+            progress.step,
+            "  ".join(f"{k} {v:.4f}" for k, v in results.items()),
+            count,
+            seconds,
+        )
+        self.metrics.add(results, seconds)
+        if progress.val_loss < progress.best_val_loss:
+            progress.best_val_loss, progress.best_step = progress.val_loss, progress.step
+            self.exports.export(self.parallel, "best.pt")
