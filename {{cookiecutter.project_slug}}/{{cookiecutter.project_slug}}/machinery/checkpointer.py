@@ -7,33 +7,21 @@ from typing import Any
 import torch
 
 from . import distributed
-from .batches import Progress, RunLength
 from .distributed import DistEnv
 from .nonfinite import NonfiniteGuard
 from .settings import RunError, flag
 from .snapshot import Snapshots
-from .state import TrainState
+from .startup import Start
 
 
 class Checkpointer:
-    """Saves the run's `state` into `snapshots` (snapshot/) in the background; `last_saved`: the step of the newest
-    snapshot this run has (the one it resumed from, at first; None: none yet)."""
+    """Saves what the run's start built a snapshot of (`start.state`) into `snapshots` (snapshot/), in the
+    background; `last_saved`: the step of the newest snapshot this run has (None: none yet)."""
 
-    def __init__(
-        self,
-        cfg: Any,
-        env: DistEnv,
-        snapshots: Snapshots,
-        state: TrainState,
-        nonfinite: NonfiniteGuard,
-        progress: Progress,
-        length: RunLength,
-        run_id: str,
-        resumed_from: int,
-    ):
-        self.cfg, self.env, self.snapshots, self.state, self.nonfinite = cfg, env, snapshots, state, nonfinite
-        self.progress, self.length, self.run_id = progress, length, run_id
-        self.last_saved: int | None = resumed_from if resumed_from >= 0 else None
+    def __init__(self, cfg: Any, env: DistEnv, snapshots: Snapshots, nonfinite: NonfiniteGuard, start: Start):
+        self.cfg, self.env, self.snapshots, self.nonfinite = cfg, env, snapshots, nonfinite
+        self.state, self.progress, self.length, self.run_id = start.state, start.progress, start.length, start.run_id
+        self.last_saved: int | None = start.resumed_from if start.resumed_from >= 0 else None
 
     def maybe_save(self) -> None:
         if self.length.due(self.progress.step, self.cfg.snapshot_every):

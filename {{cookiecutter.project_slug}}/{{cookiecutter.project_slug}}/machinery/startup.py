@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import IterableDataset
@@ -26,14 +26,7 @@ from . import distributed, logs, outputs, pretrained, tracking
 from .batches import Batches, Progress, RunLength
 from .distributed import DistEnv
 from .hooks import UserCode
-from .optim import (
-    OptimizerPart,
-    SampleSchedule,
-    SchedulerPart,
-    as_optimizer,
-    default_optimizer,
-    optimizer_warnings,
-)
+from .optim import OptimizerPart, SampleSchedule, SchedulerPart, as_optimizer, default_optimizer, optimizer_warnings
 from .parallel import DistributedModel
 from .partners import Partners
 from .settings import RunError, flag
@@ -45,6 +38,21 @@ from .stream import StreamBatches
 
 log = logging.getLogger(__name__)
 SCHEDULE_SETTINGS = ("max_steps", "epochs", "warmup_steps", "lr")  # what the default learning-rate schedule follows
+
+
+class Building(Protocol):
+    """What start-up reads of the run it builds (trainer.py)."""
+
+    cfg: Any
+    env: DistEnv
+    user: UserCode
+    parallel: DistributedModel
+    snapshots: Snapshots
+    partners: Partners
+    train_data: Any
+    data_env: DistEnv  # this rank's place among the ranks that share each step's data (partners.py)
+    global_batch: int
+    starting_weights: Any  # pretrained.source
 
 
 @dataclass
@@ -79,20 +87,11 @@ def check_same_data(env: distributed.DistEnv, train: Any, val: Any) -> None:
             )
 
 
-def build_and_restore(
-    cfg: Any,
-    env: DistEnv,
-    user: UserCode,
-    parallel: DistributedModel,
-    snapshots: Snapshots,
-    partners: Partners,
-    train_data: Any,
-    data_env: DistEnv,
-    global_batch: int,
-    starting_weights: Any,
-) -> Start:
+def build_and_restore(run: Building) -> Start:
     """The run id, the optimizer, the schedule and the data, restored from the newest good snapshot if there is
-    one; `data_env`: this rank's place among the ranks that share each step's data (partners.py)."""
+    one."""
+    cfg, env, user, parallel, snapshots = run.cfg, run.env, run.user, run.parallel, run.snapshots
+    train_data, global_batch = run.train_data, run.global_batch
     try:
         run_id = tracking.run_id(env, snapshots.directory)
         # on a store at once, not with the first snapshot: a restart before that one is committed, whichever
@@ -112,8 +111,8 @@ def build_and_restore(
         check_resumable(cfg, env, stream, resumed, folder)
         ProgressPart(progress).load_state_dict(resumed["progress"])
     resumed_from = progress.step if resumed is not None else -1
-    if resumed is None and starting_weights is not None:  # a resume has them, trained on, in its snapshot
-        pretrained.load(model, starting_weights, env)
+    if resumed is None and run.starting_weights is not None:  # a resume has them, trained on, in its snapshot
+        pretrained.load(model, run.starting_weights, env)
     length = RunLength(cfg, progress.step_samples, None if stream else len(train_data))
     length.total_steps = length.steps(progress, global_batch)
 
@@ -130,7 +129,7 @@ def build_and_restore(
     if stream:
         batches: Batches | StreamBatches = StreamBatches(train_data, cfg, env, progress, user.collate)
     else:
-        batches = Batches(train_data, cfg, data_env, progress, user.collate)
+        batches = Batches(train_data, cfg, run.data_env, progress, user.collate)
 
     # What a snapshot holds, in the order it is restored (state.py): add your own parts here.
     state = TrainState(env, parallel.sharded)
@@ -146,7 +145,7 @@ def build_and_restore(
         for name, part in checked_parts(user.extra_state(cfg, model, optimizer)).items():
             state.add(name, part, extra=True)
 
-    stepper = Stepper(parallel, optimizer, scheduler, scaler, user, cfg, env, progress, partners)
+    stepper = Stepper(parallel, optimizer, scheduler, scaler, user, cfg, env, progress, run.partners)
     start = Start(run_id, progress, resumed_from, length, batches, state, stepper, rng_state=None)
     if resumed is not None:
         start.rng_state = state.restore(resumed, folder)

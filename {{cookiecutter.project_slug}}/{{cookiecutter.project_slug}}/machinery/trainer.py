@@ -73,11 +73,10 @@ class Trainer:
         self.model = pretrained.build_model(self.user, cfg, self.train_data, env, on_meta, self.warn_from_rank_0)
         self.parallel = DistributedModel(self.model, cfg, env, self.user)  # fsdp shards here, before the optimizer
         pretrained.materialize(self.model, env.device)
-        self.sharded = self.parallel.sharded
 
         timeout = distributed.collective_timeout(cfg).total_seconds()  # how long one rank may wait for the others
         self.snapshots = Snapshots(
-            cfg.snapshot_dir, env, keep=cfg.keep_snapshots, commit_timeout=timeout, sharded=self.sharded
+            cfg.snapshot_dir, env, keep=cfg.keep_snapshots, commit_timeout=timeout, sharded=self.parallel.sharded
         )
         try:  # each decided on rank 0 or agreed by every rank: the same error everywhere
             self.snapshots.prepare(estimated_bytes(self.model), fresh_start=cfg.resume == "never")
@@ -85,31 +84,16 @@ class Trainer:
             raise RunError(str(exc)) from None
         logs.follow_moved_files()  # a log file in a folder that a fresh start moved aside: this run's lines come along
         try:  # the folder's job lock is this run's now: a start-up that fails lets it go
-            start = startup.build_and_restore(
-                cfg,
-                env,
-                self.user,
-                self.parallel,
-                self.snapshots,
-                self.partners,
-                self.train_data,
-                self.data_env,
-                self.global_batch,
-                self.starting_weights,
-            )
+            start = startup.build_and_restore(self)
             # a job that trains with others may take their state and go on past its snapshot (partners.py)
             resumed_from = start.resumed_from if self.partners.alone else None
             self.exports, tracker, self.metrics_file = startup.claim_outputs(cfg, env, start.run_id, resumed_from)
         except BaseException:
             self.snapshots.close()
             raise
-        self.run_id, self.progress, self.length, self.resumed_from = (
-            start.run_id,
-            start.progress,
-            start.length,
-            start.resumed_from,
-        )
-        self.batches, self.state, self.stepper = start.batches, start.state, start.stepper
+        self.run_id, self.progress, self.length = start.run_id, start.progress, start.length
+        self.resumed_from, self.batches = start.resumed_from, start.batches
+        self.state, self.stepper = start.state, start.stepper
         if env.is_main:
             write_config(cfg, self.snapshots.directory)
 
@@ -124,17 +108,7 @@ class Trainer:
         self.validator = Validator(
             self.val_data, self.parallel, self.user, cfg, env, self.metrics, self.exports, self.hang_watch.beat
         )
-        self.checkpointer = Checkpointer(
-            cfg,
-            env,
-            self.snapshots,
-            self.state,
-            self.nonfinite,
-            self.progress,
-            self.length,
-            self.run_id,
-            self.resumed_from,
-        )
+        self.checkpointer = Checkpointer(cfg, env, self.snapshots, self.nonfinite, start)
         # The random streams last, right before the first step, so nothing in between can draw from them.
         if start.rng_state is not None:
             restore_rng(start.rng_state)
