@@ -1,9 +1,9 @@
 """The training loop. `train()` reads top to bottom: train step -> log -> evaluate -> snapshot -> stop check.
 
 `Trainer` puts the rooms together: the user's hooks (hooks.py), the data position (batches.py, stream.py), the
-model across the ranks (parallel.py), one step (step.py), evaluation (evaluate.py), what a snapshot holds
-(state.py) and where it goes (snapshot/), and what the run leaves (report.py) in files that belong to it
-(outputs.py: path checks at start-up, the export folder and metrics file claimed by the run id).
+model across the ranks (parallel.py), one step (step.py), what a snapshot holds (state.py) and where it goes
+(snapshot/), and what the run leaves (report.py) in files that belong to it (outputs.py). Three parts decide when
+they act in the loop: the logged metrics (tracking.py), evaluation (evaluate.py), snapshots (checkpointer.py).
 
 How a run starts and resumes: startup.py; how it ends: ending.py.
 """
