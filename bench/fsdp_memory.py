@@ -4,7 +4,7 @@
 
 Each configuration runs the baked train.py under torchrun (gloo, CPU) through a small wrapper that reads, when
 training is over, the rank's peak resident memory (VmHWM in /proc/self/status) and the time the training thread
-spent inside save_snapshot() and wait_until_copied() (the stall a snapshot costs it). A bare process that only
+spent inside Checkpointer.save() and wait_until_copied() (the stall a snapshot costs it). A bare process that only
 imports torch and starts a process group gives the baseline every rank pays before any model exists.
 """
 
@@ -27,7 +27,7 @@ SIZES = {
 WRAPPER = """
 import json, os, sys, time
 import train
-from {package}.machinery import snapshot, trainer
+from {package}.machinery import checkpointer, snapshot, trainer
 
 stalls = []
 
@@ -40,7 +40,7 @@ def timed(function):
             stalls.append(time.perf_counter() - started)
     return wrapper
 
-trainer.Trainer.save_snapshot = timed(trainer.Trainer.save_snapshot)
+checkpointer.Checkpointer.save = timed(checkpointer.Checkpointer.save)
 snapshot.Snapshots.wait_until_copied = timed(snapshot.Snapshots.wait_until_copied)
 saves = []
 original_save = snapshot.Snapshots.save
@@ -55,7 +55,7 @@ def measured_close(self):
         tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         return tensor.numel() * tensor.element_size()
     tensors = list(self.model.parameters())
-    tensors += [value for state in self.optimizer.state.values() for value in state.values() if hasattr(value, "numel")]
+    tensors += [value for state in self.stepper.optimizer.state.values() for value in state.values() if hasattr(value, "numel")]
     held["state_mib"] = sum(local_bytes(tensor) for tensor in tensors) / 2**20
     held["rss_end_mib"] = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024
     return original_close(self)
@@ -157,7 +157,7 @@ def main():
             "State = the parameters and AdamW's two moments this rank holds at the end (its shards under fsdp), the",
             "memory sharding divides. Peak RSS = the largest VmHWM (peak resident memory) among the ranks, whole",
             "process; above baseline = minus the peak of a rank that only imports torch (and dynamo) and starts a",
-            "process group. Stall = the training thread's time inside save_snapshot() and wait_until_copied(), per",
+            "process group. Stall = the training thread's time inside Checkpointer.save() and wait_until_copied(), per",
             "snapshot (median over ranks).",
             "",
             "| model | strategy | ranks | state MiB per rank | peak RSS MiB | above baseline MiB | stall ms/snapshot |",

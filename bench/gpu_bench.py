@@ -147,7 +147,7 @@ def section_snapshot(project, package, device, work, size, log):
         optimizer.zero_grad(set_to_none=True)
         step[0] += 1
 
-    def state():  # what the baked trainer's save_snapshot() gathers
+    def state():  # what the baked trainer's Checkpointer.save() gathers
         return {
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),

@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train  # a restarted rank is handed to the job's zygote here, and this script runs again in its fork
-from {{ cookiecutter.project_slug }}.machinery import parallel, snapshot, trainer, warmstart
+from {{ cookiecutter.project_slug }}.machinery import checkpointer, parallel, snapshot, trainer, warmstart
 from {{ cookiecutter.project_slug }}.machinery.snapshot import format, writer
 
 FAULT = os.environ.get("FAULT", "")
@@ -178,14 +178,14 @@ if FAULT == "kill_after_commit" and RANK == 0:
 
     snapshot.Snapshots.commit = commit_then_die
 if FAULT == "kill_after_save" and RANK == FAULT_RANK:
-    original_save = trainer.Trainer.save_snapshot
+    original_save = checkpointer.Checkpointer.save
 
     def save_then_die(self, *args, **kwargs):
         original_save(self, *args, **kwargs)
         if self.progress.step == FAULT_STEP and should_fire():
             os.kill(os.getpid(), signal.SIGKILL)
 
-    trainer.Trainer.save_snapshot = save_then_die
+    checkpointer.Checkpointer.save = save_then_die
 {% if cookiecutter.replica_groups == "yes" %}
 if FAULT == "raise_in_quorum" and RANK == FAULT_RANK:
     from {{ cookiecutter.project_slug }}.machinery import replicas

@@ -4,6 +4,7 @@ Your rooms are one level up: model.py, data.py and config.py (the seam: machiner
 
     trainer.py      the loop (`train()`) and the `Trainer` that puts the rooms below together
     startup.py      a run's start: its parts built from the hooks, restored from the newest good snapshot
+    checkpointer.py when the run saves a snapshot (--snapshot-every, the last step), of a finite state only
     ending.py       a run's end: final snapshot, stop record, exported weights, summary
     hooks.py        the seam: the hooks of model.py and data.py, their defaults, the start-up check
     batches.py      progress, run length in samples, map-style data one optimizer step at a time
@@ -11,7 +12,7 @@ Your rooms are one level up: model.py, data.py and config.py (the seam: machiner
     parallel.py     the model across the ranks: DDP or FSDP2, mixed precision, torch.compile
     step.py         one optimizer step: forward/backward over micro-batches, the loss reduction, clip, step
     optim.py        the default optimizer and learning-rate schedule, and how they resume
-    evaluate.py     exact evaluation over every rank
+    evaluate.py     exact evaluation over every rank, at --eval-every; the best weights exported
     state.py        what a snapshot holds: named parts with state_dict()/load_state_dict()
     pretrained.py   pretrained_weights: the starting weights read once, one tensor at a time (fsdp: built on meta)
     frozen.py       frozen parameters (a LoRA model's base): written once per run, checked before each save
@@ -28,7 +29,7 @@ Your rooms are one level up: model.py, data.py and config.py (the seam: machiner
 {%- endif %}
     logs.py         rank-aware logging (one clean console, every rank's warnings)
     faults.py       an error in your code, in one line naming your function and line, on the rank it happened on
-    tracking.py     experiment tracking (wandb on rank 0, the metrics file), the run id
+    tracking.py     experiment tracking (wandb on rank 0, the metrics file), the run id, the logged metrics
     outputs.py      the files beside the snapshots belong to one run: path checks at start-up, the export folder
     joblock.py      one job per snapshot folder
     parentdeath.py  workers that do not outlive their torchrun agent

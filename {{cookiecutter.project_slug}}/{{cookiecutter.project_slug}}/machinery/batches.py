@@ -95,11 +95,16 @@ class RunLength:
         self.warmup_samples = cfg.warmup_steps * step_samples
         self.step_samples = step_samples
         self.peak_lr = cfg.lr
+        self.total_steps = 0  # the step at which this attempt ends (`steps`), once its progress is known
 
     def steps(self, progress: Progress, global_batch: int) -> int:
         """The step at which this attempt ends: the steps done plus the steps left at this attempt's size."""
         left = max(0, self.samples - progress.samples_seen)
         return progress.step + -(-left // global_batch)
+
+    def due(self, step: int, every: int) -> bool:
+        """True at every `every`-th step and at the attempt's last one (`every` = 0: only at the last one)."""
+        return step >= self.total_steps or (every > 0 and step % every == 0)
 
     def lr(self, samples_seen: int) -> float:
         """Linear warmup, then cosine decay to 10% of the peak; in samples (= steps at the starting size)."""

@@ -15,24 +15,21 @@ log = logging.getLogger(__name__)
 
 
 class Ending(Protocol):
-    """What a run's end reads and calls of the run (trainer.Trainer)."""
+    """What a run's end reads and calls of the run (trainer.py)."""
 
     cfg: Any
     env: Any
     progress: Any
+    length: Any
+    parallel: Any
     snapshots: Any
+    checkpointer: Any
     exports: Any
     run_id: str
     metrics_file: str
-    total_steps: int
     resumed_from: int
-    last_saved: int | None
 
     def warn_from_rank_0(self, message: str, *args: Any) -> None: ...
-
-    def save_snapshot(self, blocking: bool = False) -> None: ...
-
-    def export(self, name: str) -> None: ...
 
 
 def finish(trainer: Ending, stop: StopRequest) -> Summary:
@@ -46,11 +43,11 @@ def finish(trainer: Ending, stop: StopRequest) -> Summary:
         trainer.warn_from_rank_0(
             "stopping at step %d of %d on signal %d: saving a snapshot; run the same command again to resume",
             trainer.progress.step,
-            trainer.total_steps,
+            trainer.length.total_steps,
             stop.signal,
         )
-    if trainer.last_saved != trainer.progress.step:
-        trainer.save_snapshot(blocking=True)
+    if trainer.checkpointer.last_saved != trainer.progress.step:
+        trainer.checkpointer.save(blocking=True)
     trainer.snapshots.wait()
     if stopped and trainer.env.is_main:
         write_json_atomic(
@@ -58,11 +55,9 @@ def finish(trainer: Ending, stop: StopRequest) -> Summary:
             {"job": identity.current_job(), "step": trainer.progress.step, "signal": stop.signal},
         )
         trainer.snapshots.keep_beside(STOP_RECORD)
-    summary = run_summary(
-        trainer, already_complete=trainer.resumed_from >= trainer.total_steps, stop_signal=stop.signal if stopped else 0
-    )
+    summary = run_summary(trainer, trainer.resumed_from >= trainer.length.total_steps, stop.signal if stopped else 0)
     if not stopped:
-        trainer.export("model.pt")  # final weights only from a run that finished
+        trainer.exports.export(trainer.parallel, "model.pt")  # final weights only from a run that finished
     if trainer.env.is_main:
         write_summary(summary, trainer.exports.directory)  # a stopped run's too, with its stop_signal
         trainer.exports.publish()
@@ -100,7 +95,7 @@ def run_summary(trainer: Ending, already_complete: bool, stop_signal: int) -> Su
         run_id=trainer.run_id,
         world_size=trainer.env.world_size,
         steps=progress.step,
-        total_steps=trainer.total_steps,
+        total_steps=trainer.length.total_steps,
         resumed_from=trainer.resumed_from,
         samples_seen=progress.samples_seen,
         first_loss=progress.first_loss,

@@ -37,7 +37,7 @@ REPLAY_FLAGS = ("--resume-from", "--break-at-step")
 
 
 class Run(Protocol):
-    """What the guard reads of the run it watches (trainer.Trainer): the parts a replay trains with."""
+    """What the guard reads of the run it watches (trainer.py): the parts a replay trains with."""
 
     env: DistEnv
     model: nn.Module
@@ -47,7 +47,7 @@ class Run(Protocol):
     progress: Any
     stepper: Any
     partners: Any
-    last_saved: int | None
+    checkpointer: Any  # its last_saved: the step of the newest snapshot this run has
 
     def forward_backward(self, micro_batches: Any) -> None: ...
 
@@ -217,9 +217,10 @@ class NonfiniteGuard:
     def rerun_advice(self) -> str:
         """What running the same command again does once a run stopped on a non-finite value: resume from the
         newest snapshot, which is from before it, or start from scratch when none was saved."""
-        if self.run.last_saved is None:
+        last_saved = self.run.checkpointer.last_saved
+        if last_saved is None:
             return (
                 f"then run the same command again: no snapshot was saved before this step, so it starts from "
                 f"scratch (a smaller {flag('snapshot_every')} keeps one to replay the step from and resume from)"
             )
-        return f"then run the same command again to resume from the snapshot of step {self.run.last_saved}"
+        return f"then run the same command again to resume from the snapshot of step {last_saved}"

@@ -22,8 +22,9 @@ import re
 import time
 from typing import Any
 
-from . import distributed, logs
+from . import distributed, logs, report
 from .distributed import DistEnv
+from .parallel import DistributedModel
 from .settings import RunError, flag
 from .snapshot.format import URL, sha256_file
 
@@ -174,7 +175,7 @@ class ExportFolder:
     """Rank 0's claim on the export folder for one run (the other ranks only learn where it is)."""
 
     def __init__(self, env: DistEnv, directory: str, run_id: str):
-        self.store = None
+        self.env, self.store = env, None
         if URL.match(directory):  # exported locally, then uploaded by publish()
             from .snapshot.store import Store
 
@@ -237,6 +238,11 @@ class ExportFolder:
                     log.info("this run's exported files are back in %s from %s", self.directory, own)
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"run_id": run_id}).encode())
+
+    def export(self, parallel: DistributedModel, name: str) -> None:
+        """The model's weights as <name> in this folder (report.export), uploaded too when the folder is a store's."""
+        report.export(parallel.model, parallel.sharded, self.env, self.directory, name)
+        self.publish()
 
     def publish(self) -> None:
         """Rank 0, on a store: upload what the export folder holds (each file checked by reading it back)."""

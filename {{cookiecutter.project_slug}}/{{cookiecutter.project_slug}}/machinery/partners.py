@@ -30,7 +30,7 @@ class Partners:
         return env
 
     def join(self, trainer: Any) -> None:
-        """Meet the other jobs, once the model is wrapped (trainer.Trainer) and before the first step."""
+        """Meet the other jobs, once the model is wrapped (trainer.py) and before the first step."""
 
     def start_step(self, stopping: Callable[[], bool]) -> bool:
         """Before each step. False: a rank was asked to stop (`stopping`) while the job waited for the others."""

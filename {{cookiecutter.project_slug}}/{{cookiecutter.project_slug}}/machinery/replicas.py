@@ -465,10 +465,10 @@ class ReplicaGroup(Partners):
         for name, part in parts.items():
             if name != "progress":
                 part.load_state_dict(state[name])
-        trainer.total_steps = trainer.length.steps(trainer.progress, trainer.global_batch)
+        trainer.length.total_steps = trainer.length.steps(trainer.progress, trainer.global_batch)
         trainer.batches.restart()
         next(trainer.batches)  # the share of the step being committed now, which this group did not train
-        trainer.last_saved = None
+        trainer.checkpointer.last_saved = None
         log.info(
             "replica group %d rejoined at step %d with a live group's state", self.info.group, trainer.progress.step
         )

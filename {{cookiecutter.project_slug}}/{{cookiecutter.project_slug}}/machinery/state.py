@@ -101,6 +101,20 @@ class RngPart:
         raise AssertionError("the random streams are restored last, by the trainer: TrainState.restore returns them")
 
 
+class ScalerPart:
+    """The fp16 gradient scaler; nothing to save or load when it is off."""
+
+    def __init__(self, scaler: torch.amp.GradScaler):
+        self.scaler = scaler
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler.is_enabled() and state:
+            self.scaler.load_state_dict(state)
+
+
 class TrainState:
     """The parts of a snapshot, in order; `sharded` (fsdp): the model, the optimizer and model.py's extra parts are
     written as shards, through torch.distributed.checkpoint."""

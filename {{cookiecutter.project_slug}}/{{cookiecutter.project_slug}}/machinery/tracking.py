@@ -24,13 +24,17 @@ import logging
 import math
 import os
 import secrets
+import time
 from typing import Any, Literal, cast
 
 from . import distributed, outputs
+from .batches import Progress, RunLength
 from .distributed import DistEnv
+from .nonfinite import NonfiniteGuard
 from .outputs import RUN_ID
 from .settings import RunError, flag, short_repr
 from .snapshot import RUN_FILE, SnapshotError, write_json_atomic
+from .step import Stepper
 
 WandbMode = Literal["online", "offline", "disabled"]  # the choices of --wandb
 
@@ -217,6 +221,64 @@ class Trackers(Tracker):
     def finish(self) -> None:
         for tracker in self.trackers:
             tracker.finish()
+
+
+class MetricsLog:
+    """The training metrics, logged at every --log-every step and the last: the mean loss since the last log over
+    every rank, the learning rate, the speed (samples/s of training time only); a run whose loss diverged stops."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        tracker: Tracker,
+        stepper: Stepper,
+        nonfinite: NonfiniteGuard,
+        progress: Progress,
+        length: RunLength,
+        global_batch: int,
+    ):
+        self.cfg, self.tracker, self.stepper, self.nonfinite = cfg, tracker, stepper, nonfinite
+        self.progress, self.length, self.global_batch = progress, length, global_batch
+        self.timer = time.perf_counter()  # since the last log, less the time spent apart from training
+
+    def maybe_log(self) -> None:
+        if self.length.due(self.progress.step, self.cfg.log_every):
+            self.log()
+
+    def log(self) -> None:
+        progress, stepper, elapsed = self.progress, self.stepper, time.perf_counter() - self.timer
+        self.nonfinite.check()
+        loss = self.nonfinite.synced_loss()
+        progress.last_loss = loss
+        if math.isnan(progress.first_loss):
+            progress.first_loss = loss
+        metrics = {
+            "loss": loss,
+            "lr": stepper.lr,
+            "epoch": progress.epoch,
+            "samples_per_s": stepper.loss_steps * self.global_batch / elapsed,
+        }
+        if self.cfg.clip_grad:
+            metrics["grad_norm"] = float(stepper.grad_norm)
+        log.info(
+            "step %d/%d  epoch %d  loss %.4f  lr %.2e  %.0f samples/s%s",
+            progress.step,
+            self.length.total_steps,
+            progress.epoch,
+            loss,
+            metrics["lr"],
+            metrics["samples_per_s"],
+            f"  grad norm {metrics['grad_norm']:.3g}" if "grad_norm" in metrics else "",
+        )
+        self.tracker.log(metrics, progress.step)
+        stepper.reset_loss()
+        self.timer = time.perf_counter()
+
+    def add(self, results: dict[str, float], seconds: float) -> None:
+        """Results measured apart from training (an evaluation), which took `seconds` of the time since the last
+        log: samples/s counts training time only."""
+        self.tracker.log(results, self.progress.step)
+        self.timer += seconds
 
 
 def _read(path: str) -> bytes:

@@ -1,9 +1,9 @@
 """The training loop. `train()` reads top to bottom: train step -> log -> evaluate -> snapshot -> stop check.
 
 `Trainer` puts the rooms together: the user's hooks (hooks.py), the data position (batches.py, stream.py), the
-model across the ranks (parallel.py), one step (step.py), evaluation (evaluate.py), what a snapshot holds
-(state.py) and where it goes (snapshot/), and what the run leaves (report.py) in files that belong to it
-(outputs.py: path checks at start-up, the export folder and metrics file claimed by the run id).
+model across the ranks (parallel.py), one step (step.py), what a snapshot holds (state.py) and where it goes
+(snapshot/), and what the run leaves (report.py) in files that belong to it (outputs.py). Three parts decide when
+they act in the loop: the logged metrics (tracking.py), evaluation (evaluate.py), snapshots (checkpointer.py).
 
 How a run starts and resumes: startup.py; how it ends: ending.py.
 """
@@ -11,9 +11,7 @@ How a run starts and resumes: startup.py; how it ends: ending.py.
 from __future__ import annotations
 
 import logging
-import math
 import random
-import time
 from typing import Any
 
 import numpy as np
@@ -21,21 +19,20 @@ import torch
 from torch.utils.data import IterableDataset
 
 from . import distributed, ending, logs, nonfinite, outputs, pretrained, startup, watchdog
-from .batches import Batches, Progress, RunLength
+from .batches import Batches
+from .checkpointer import Checkpointer
 from .debugflags import DebugFlags, check_debugger, replay_settings
 from .distributed import DistEnv
-from .evaluate import evaluate
+from .evaluate import Validator
 from .hooks import UserCode
-from .optim import SchedulerPart
 from .parallel import DistributedModel
 from .partners import Partners
-from .report import Summary, export, progress_bar, write_config
+from .report import Summary, progress_bar, write_config
 from .settings import RunError, flag
 from .snapshot import SnapshotError, Snapshots, restore_rng
-from .state import TrainState, estimated_bytes
-from .step import Stepper
+from .state import estimated_bytes
 from .stop import StopRequest
-from .stream import StreamBatches
+from .tracking import MetricsLog
 
 log = logging.getLogger(__name__)
 PACKAGE = __name__.rsplit(".", 2)[0]  # the project's package, which holds model.py and data.py
@@ -46,23 +43,6 @@ SAVE_GRACE_S = 10.0
 
 class Trainer:
     """Everything one run holds: model, data, optimizer, snapshots, trackers; resumed if a snapshot is there."""
-
-    # Built by startup.py from the user's hooks and the newest good snapshot.
-    run_id: str
-    progress: Progress
-    resumed_from: int  # the step the run resumed at; -1 for a fresh start
-    length: RunLength
-    total_steps: int
-    optimizer: Any
-    user_scheduler: SchedulerPart | None  # build_scheduler's, when model.py has one
-    scheduler: Any
-    scaler: torch.amp.GradScaler
-    batches: Batches | StreamBatches
-    state: TrainState
-    stepper: Stepper
-    exports: outputs.ExportFolder
-    tracker: Any
-    metrics_file: str
 
     def __init__(self, cfg: Any, env: DistEnv, partners: Partners | None = None):
         self.cfg, self.env = cfg, env
@@ -93,11 +73,10 @@ class Trainer:
         self.model = pretrained.build_model(self.user, cfg, self.train_data, env, on_meta, self.warn_from_rank_0)
         self.parallel = DistributedModel(self.model, cfg, env, self.user)  # fsdp shards here, before the optimizer
         pretrained.materialize(self.model, env.device)
-        self.sharded = self.parallel.sharded
 
         timeout = distributed.collective_timeout(cfg).total_seconds()  # how long one rank may wait for the others
         self.snapshots = Snapshots(
-            cfg.snapshot_dir, env, keep=cfg.keep_snapshots, commit_timeout=timeout, sharded=self.sharded
+            cfg.snapshot_dir, env, keep=cfg.keep_snapshots, commit_timeout=timeout, sharded=self.parallel.sharded
         )
         try:  # each decided on rank 0 or agreed by every rank: the same error everywhere
             self.snapshots.prepare(estimated_bytes(self.model), fresh_start=cfg.resume == "never")
@@ -105,24 +84,34 @@ class Trainer:
             raise RunError(str(exc)) from None
         logs.follow_moved_files()  # a log file in a folder that a fresh start moved aside: this run's lines come along
         try:  # the folder's job lock is this run's now: a start-up that fails lets it go
-            rng_state = startup.build_and_restore(self)
-            startup.claim_outputs(self)
+            start = startup.build_and_restore(self)
+            # a job that trains with others may take their state and go on past its snapshot (partners.py)
+            resumed_from = start.resumed_from if self.partners.alone else None
+            self.exports, tracker, self.metrics_file = startup.claim_outputs(cfg, env, start.run_id, resumed_from)
         except BaseException:
             self.snapshots.close()
             raise
+        self.run_id, self.progress, self.length = start.run_id, start.progress, start.length
+        self.resumed_from, self.batches = start.resumed_from, start.batches
+        self.state, self.stepper = start.state, start.stepper
         if env.is_main:
             write_config(cfg, self.snapshots.directory)
-        startup.log_start(self)
 
         self.parallel.wrap(resumed=self.resumed_from >= 0, with_other_jobs=not self.partners.alone)
-        self.last_saved = self.resumed_from if self.resumed_from >= 0 else None
         self.hang_watch = watchdog.HangWatch(env.rank, timeout * 0.8, cfg.log_file)  # stacks, before the timeout
         self.partners.join(self)  # from here on, the jobs meet at every step
-        self._timer = time.perf_counter()
         self.nonfinite = nonfinite.NonfiniteGuard(self)  # NaN and infinity: the check at logs and snapshots
+        # The parts that decide their own cadence in train(): metrics, evaluation, snapshots
+        self.metrics = MetricsLog(
+            cfg, tracker, self.stepper, self.nonfinite, self.progress, self.length, self.global_batch
+        )
+        self.validator = Validator(
+            self.val_data, self.parallel, self.user, cfg, env, self.metrics, self.exports, self.hang_watch.beat
+        )
+        self.checkpointer = Checkpointer(cfg, env, self.snapshots, self.nonfinite, start)
         # The random streams last, right before the first step, so nothing in between can draw from them.
-        if rng_state is not None:
-            restore_rng(rng_state)
+        if start.rng_state is not None:
+            restore_rng(start.rng_state)
         else:  # a fresh start, or a resume with another number of ranks: new streams, distinct per rank and step
             seed_everything(cfg.seed + self.data_env.rank + 1_000_003 * self.progress.step)
 
@@ -149,88 +138,11 @@ class Trainer:
             self.batches.repeat_last_step()  # the dropped step's data, once more
         return stepped
 
-    def nth_or_last_step(self, every: int) -> bool:
-        """True at every `every`-th step and at the last one (`every` = 0: only at the last one)."""
-        step = self.progress.step
-        return step >= self.total_steps or (every > 0 and step % every == 0)
-
-    # -- logging, evaluation, snapshots ------------------------------------------------------------------------
-
-    def log_metrics(self) -> None:
-        """Mean loss since the last log over every rank, learning rate, speed; stops a run whose loss diverged."""
-        progress, elapsed = self.progress, time.perf_counter() - self._timer
-        self.nonfinite.check()
-        loss = self.nonfinite.synced_loss()
-        progress.last_loss = loss
-        if math.isnan(progress.first_loss):
-            progress.first_loss = loss
-        metrics = {
-            "loss": loss,
-            "lr": self.stepper.lr,
-            "epoch": progress.epoch,
-            "samples_per_s": self.stepper.loss_steps * self.global_batch / elapsed,
-        }
-        if self.cfg.clip_grad:
-            metrics["grad_norm"] = float(self.stepper.grad_norm)
-        log.info(
-            "step %d/%d  epoch %d  loss %.4f  lr %.2e  %.0f samples/s%s",
-            progress.step,
-            self.total_steps,
-            progress.epoch,
-            loss,
-            metrics["lr"],
-            metrics["samples_per_s"],
-            f"  grad norm {metrics['grad_norm']:.3g}" if "grad_norm" in metrics else "",
-        )
-        self.tracker.log(metrics, progress.step)
-        self.stepper.reset_loss()
-        self._timer = time.perf_counter()
-
-    def evaluate(self) -> dict[str, float]:
-        """val_loss and val_<name> over every validation sample, each counted once across the ranks (evaluate.py)."""
-        started = time.perf_counter()
-        results, count = evaluate(self.val_data, self.parallel, self.user, self.cfg, self.env, self.hang_watch.beat)
-        if results:
-            self._record_evaluation(results, count, time.perf_counter() - started)
-        return results
-
-    def save_snapshot(self, blocking: bool = False) -> None:
-        """Start writing a snapshot of this step in the background (snapshot/); refuse a diverged state."""
-        self.nonfinite.check()  # no snapshot of what a step with a NaN or infinite loss or gradient made
-        if not distributed.all_true(self.env, self.state.finite()):
-            raise RunError(
-                f"the weights or the optimizer state are not finite at step {self.progress.step} (their gradients "
-                f"were): no snapshot is saved from them. Lower {flag('lr')} or check the optimizer's settings; "
-                f"{self.nonfinite.rerun_advice()}"
-            )
-        step = self.progress.step
-        # A store slower than --snapshot-every: no queue of uploads builds up (a blocking save, the last, always saves)
-        may_skip = self.snapshots.store is not None and not blocking
-        if may_skip and not distributed.all_true(self.env, not self.snapshots.uploading()):
-            self.snapshots.skip(step)
-            return
-        frozen_in = self.state.frozen.held_by(step)  # an older snapshot may hold the frozen parameters (frozen.py)
-        shared, rank_state, sharded_state = self.state.capture(without_frozen=frozen_in not in (None, step))
-        shared.update(
-            step=self.progress.step,
-            config=self.cfg.to_dict(),
-            run_id=self.run_id,
-            torch_version=str(torch.__version__),
-        )
-        self.snapshots.save(
-            step, shared, rank_state, blocking=blocking, sharded_state=sharded_state, frozen_in=frozen_in
-        )
-        self.last_saved = step
-
-    def export(self, name: str) -> None:
-        export(self.model, self.sharded, self.env, self.exports.directory, name)
-        self.exports.publish()
-
     def close(self, error: BaseException | None = None) -> None:
         """`error`: the exception that ends the run early, if one does."""
         self.partners.close(error)
         self.hang_watch.close()
-        self.tracker.finish()
+        self.metrics.tracker.finish()
         self.exports.close()
         self.snapshots.close()
 
@@ -252,22 +164,6 @@ class Trainer:
         """A warning that every rank reaches alike (settings, an agreed stop): rank 0 says it, the others at DEBUG."""
         logs.warn_from_rank_0(log, self.env.is_main, message, *args)
 
-    def _record_evaluation(self, results: dict[str, float], count: int, seconds: float) -> None:
-        progress = self.progress
-        progress.val_loss = results["val_loss"]
-        log.info(
-            "eval at step %d: %s (%d samples, %.1f s)",
-            progress.step,
-            "  ".join(f"{k} {v:.4f}" for k, v in results.items()),
-            count,
-            seconds,
-        )
-        self.tracker.log(results, progress.step)
-        self._timer += seconds  # samples/s counts training time only
-        if progress.val_loss < progress.best_val_loss:
-            progress.best_val_loss, progress.best_step = progress.val_loss, progress.step
-            self.export("best.pt")
-
 
 def train(cfg: Any, env: DistEnv, partners: Partners | None = None) -> Summary:
     """Train until --max-steps or --epochs; resume from the newest good snapshot in --snapshot-dir if there is one.
@@ -277,12 +173,12 @@ def train(cfg: Any, env: DistEnv, partners: Partners | None = None) -> Summary:
     with (
         Trainer(cfg, env, partners) as trainer,  # model, data, optimizer, snapshots: restored from the newest good one
         StopRequest(env) as stop,
-        progress_bar(env, trainer.total_steps, trainer.progress.step) as bar,
+        progress_bar(env, trainer.length.total_steps, trainer.progress.step) as bar,
         # --break-at-step, --profile-steps, --check-replicas: a step the run cannot reach is said here, at start-up
-        DebugFlags(cfg, env, trainer.model, trainer.progress, trainer.total_steps) as flags,
+        DebugFlags(cfg, env, trainer.model, trainer.progress, trainer.length.total_steps) as flags,
     ):
         progress, snapshots = trainer.progress, trainer.snapshots
-        while progress.step < trainer.total_steps and not stop.stopped:
+        while progress.step < trainer.length.total_steps and not stop.stopped:
             if not trainer.start_step(stop):  # the jobs this one trains with, if any, start the step together
                 break
             trainer.forward_backward(flags.before_forward(next(trainer.batches)))
@@ -294,12 +190,9 @@ def train(cfg: Any, env: DistEnv, partners: Partners | None = None) -> Summary:
             flags.after_step()  # before the snapshot: --check-replicas stops a run whose replicas drifted apart
             bar.update()
 
-            if trainer.nth_or_last_step(cfg.log_every):
-                trainer.log_metrics()
-            if trainer.nth_or_last_step(cfg.eval_every):
-                trainer.evaluate()
-            if trainer.nth_or_last_step(cfg.snapshot_every):
-                trainer.save_snapshot()
+            trainer.metrics.maybe_log()  # each at its own cadence (--log-every, --eval-every, --snapshot-every)
+            trainer.validator.maybe_evaluate()
+            trainer.checkpointer.maybe_save()
             stop.agreed()  # every rank learns of a SIGTERM or Ctrl-C at the same step
         return ending.finish(trainer, stop)
 
