@@ -99,13 +99,15 @@ def _in_process_only(request, monkeypatch):
 # hands itself to its job's. Tests of cold starts, of the job's own zygote or under a debugger (which is never
 # forked) start cold: child_env(WARM_START_POOL="").
 _POOL: dict = {}  # its name -> its process, kept referenced while it runs
+STAND_IN_VARIABLE = b"TEST_TORCHRUN_STAND_IN"  # tests/warm_torchrun.py's: the pid a test started, in its ranks
 
 
 def warm_pool():
     """The name of this test process's standing zygote; started on first use (until it is up, runs start cold)."""
     if not _POOL:
         name = f"{os.getpid()}-{random.SystemRandom().getrandbits(48):x}"
-        preload = tuple(filter(None, os.environ.get("WARM_START_PRELOAD", "").split(",")))  # e.g. transformers
+        # torchrun's agent (tests/warm_torchrun.py), and what WARM_START_PRELOAD adds (transformers, ...)
+        preload = ("torch.distributed.run", *filter(None, os.environ.get("WARM_START_PRELOAD", "").split(",")))
         script = f"from {PACKAGE}.machinery import warmstart; warmstart.serve_pool({name!r}, {preload!r})"
         env = child_env(WARM_START_POOL="")
         _POOL[name] = subprocess.Popen(
@@ -141,13 +143,13 @@ def child_env(**extra):
 
 
 def train_cmd(nproc=None, torchrun_args=(), script="train.py"):
-    """`python train.py` when nproc is None, else torchrun --standalone with nproc ranks."""
+    """`python train.py` when nproc is None, else torchrun --standalone with nproc ranks (its agent warm too:
+    tests/warm_torchrun.py)."""
     if nproc is None:
         return [sys.executable, str(ROOT / script)]
     return [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
+        str(Path(__file__).parent / "warm_torchrun.py"),
         "--standalone",
         f"--nproc_per_node={nproc}",
         *torchrun_args,
@@ -243,12 +245,14 @@ def finish(proc, timeout=300):
 
 
 def worker_pids(agent_pid):
-    """{global rank: pid} of the workers a torchrun agent runs now."""
-    return rank_pids(lambda pid, parent, cmdline: parent == agent_pid)
+    """{global rank: pid} of the workers a torchrun agent runs now (`agent_pid`: the process the test started,
+    which for tests/warm_torchrun.py is the agent's stand-in)."""
+    stand_in = str(agent_pid).encode()
+    return rank_pids(lambda pid, parent, cmdline, env: stand_in in (str(parent).encode(), env.get(STAND_IN_VARIABLE)))
 
 
 def rank_pids(accept):
-    """{global rank: pid} of the processes with RANK in their environment that accept(pid, parent, cmdline)."""
+    """{global rank: pid} of the processes with RANK in their environment that accept(pid, parent, cmdline, env)."""
     found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -258,15 +262,12 @@ def rank_pids(accept):
                 parent = int(handle.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{entry}/cmdline", "rb") as handle:
                 cmdline = handle.read()
-            if not accept(int(entry), parent, cmdline):
-                continue
             with open(f"/proc/{entry}/environ", "rb") as handle:
-                variables = handle.read().split(b"\0")
+                env = dict(item.partition(b"=")[::2] for item in handle.read().split(b"\0") if item)
         except (OSError, ValueError, IndexError):
             continue
-        for item in variables:
-            if item.startswith(b"RANK="):
-                found[int(item[5:])] = int(entry)
+        if b"RANK" in env and accept(int(entry), parent, cmdline, env):
+            found[int(env[b"RANK"])] = int(entry)
     return found
 
 

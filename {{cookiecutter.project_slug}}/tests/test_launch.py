@@ -68,7 +68,7 @@ def streamed(cell, name=None):
 
 def workers_of(run_dir):
     """{rank: pid} of the training processes whose command line names run_dir (whatever started them)."""
-    return rank_pids(lambda pid, parent, cmdline: str(run_dir).encode() in cmdline)
+    return rank_pids(lambda pid, parent, cmdline, env: str(run_dir).encode() in cmdline)
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,10 @@ from conftest import (
     finish,
     free_port,
     outputs,
-    rank_pids,
     start,
     train_cmd,
     wait_for,
+    worker_pids,
 )
 
 pytest.importorskip("torchft", reason="--fault-tolerance torchft needs torchft (the project's [ft] extra)")
@@ -126,7 +126,7 @@ def short_repr(out):
 
 
 def workers(job):
-    return rank_pids(lambda pid, parent, cmdline: parent == job.pid)
+    return worker_pids(job.pid)
 
 
 @pytest.mark.slow

@@ -56,61 +56,71 @@ class Validator:
             self.evaluate()
 
     def evaluate(self) -> None:
-        """val_loss and val_<name> over every validation sample, each counted once across the ranks; none without
-        validation data."""
-        val_data, parallel, user, cfg, env = self.val_data, self.parallel, self.user, self.cfg, self.env
-        size = len(val_data) if val_data is not None else 0
-        if size == 0:
+        """Evaluate, log, record; export best.pt at a new best val_loss. Nothing without validation data."""
+        started = time.perf_counter()
+        results, count = evaluate(self.val_data, self.parallel, self.user, self.cfg, self.env, self.beat)
+        if not results:
             return
-        started, rng_state = time.perf_counter(), capture_rng()
-        model = parallel.model
-        distributed.broadcast_buffers(env, model)
-        model.eval()
-        loader = DataLoader(
-            val_data,
-            batch_size=cfg.batch_size,
-            sampler=range(env.rank, size, env.world_size),
-            num_workers=cfg.num_workers,
-            generator=torch.Generator(),
-            collate_fn=user.collate,
-        )
-        sums: dict[str, torch.Tensor] = {}
-        with torch.no_grad(), parallel.autocast():
-            for batch in loader:
-                result = user.step(model, to_device(batch, env.device))
-                for name, value in {COUNT: result.count, "loss": result.loss_sum(), **result.sums}.items():
-                    value = torch.as_tensor(value, dtype=torch.float64, device=env.device).detach()
-                    sums[name] = sums[name] + value if name in sums else value
-                self.beat()
-            if parallel.sharded:  # each forward gathers parameters from every rank, so every rank runs as many
-                most = math.ceil(math.ceil(size / env.world_size) / cfg.batch_size)
-                spare = to_device(user.collate([val_data[0]]), env.device)
-                for _ in range(most - len(loader)):
-                    user.step(model, spare)  # its result is not counted
-        model.train()
-        restore_rng(rng_state)
-        # Every name any rank returned (a rank may meet a name the others never do), each summed over every rank
-        names = sorted(set().union(*distributed.all_gather_object(env, sorted(sums))))
-        local = torch.stack([sums.get(name, torch.zeros((), dtype=torch.float64, device=env.device)) for name in names])
-        totals = dict(zip(names, distributed.all_sum(env, local).tolist(), strict=True))
-        count = totals.pop(COUNT)
-        if count <= 0:
-            raise RunError(
-                f"compute_loss in model.py returned a count of {count:g} over every validation batch of every rank: "
-                "val_loss would divide by it; return what each batch's loss sums over (e.g. its tokens) as 'count'"
-            )
-        results = {"val_loss": totals.pop("loss") / count}
-        results.update({f"val_{name}": total / count for name, total in sorted(totals.items())})
         progress, seconds = self.metrics.progress, time.perf_counter() - started
         progress.val_loss = results["val_loss"]
         log.info(
             "eval at step %d: %s (%d samples, %.1f s)",
             progress.step,
             "  ".join(f"{k} {v:.4f}" for k, v in results.items()),
-            size,
+            count,
             seconds,
         )
         self.metrics.add(results, seconds)
         if progress.val_loss < progress.best_val_loss:
             progress.best_val_loss, progress.best_step = progress.val_loss, progress.step
             self.exports.export(self.parallel, "best.pt")
+
+
+def evaluate(
+    val_data: Any, parallel: DistributedModel, user: UserCode, cfg: Any, env: DistEnv, beat: Callable[[], None]
+) -> tuple[dict[str, float], int]:
+    """val_loss and val_<name> over every validation sample, each counted once across the ranks, and the number of
+    samples; ({}, 0) without validation data. `beat` marks progress after each batch (watchdog.py)."""
+    size = len(val_data) if val_data is not None else 0
+    if size == 0:
+        return {}, 0
+    rng_state = capture_rng()
+    model = parallel.model
+    distributed.broadcast_buffers(env, model)
+    model.eval()
+    loader = DataLoader(
+        val_data,
+        batch_size=cfg.batch_size,
+        sampler=range(env.rank, size, env.world_size),
+        num_workers=cfg.num_workers,
+        generator=torch.Generator(),
+        collate_fn=user.collate,
+    )
+    sums: dict[str, torch.Tensor] = {}
+    with torch.no_grad(), parallel.autocast():
+        for batch in loader:
+            result = user.step(model, to_device(batch, env.device))
+            for name, value in {COUNT: result.count, "loss": result.loss_sum(), **result.sums}.items():
+                value = torch.as_tensor(value, dtype=torch.float64, device=env.device).detach()
+                sums[name] = sums[name] + value if name in sums else value
+            beat()
+        if parallel.sharded:  # each forward gathers parameters from every rank, so every rank runs as many
+            most = math.ceil(math.ceil(size / env.world_size) / cfg.batch_size)
+            spare = to_device(user.collate([val_data[0]]), env.device)
+            for _ in range(most - len(loader)):
+                user.step(model, spare)  # its result is not counted
+    model.train()
+    restore_rng(rng_state)
+    # Every name any rank returned (a rank may meet a name the others never do), each summed over every rank
+    names = sorted(set().union(*distributed.all_gather_object(env, sorted(sums))))
+    local = torch.stack([sums.get(name, torch.zeros((), dtype=torch.float64, device=env.device)) for name in names])
+    totals = dict(zip(names, distributed.all_sum(env, local).tolist(), strict=True))
+    count = totals.pop(COUNT)
+    if count <= 0:
+        raise RunError(
+            f"compute_loss in model.py returned a count of {count:g} over every validation batch of every rank: "
+            "val_loss would divide by it; return what each batch's loss sums over (e.g. its tokens) as 'count'"
+        )
+    results = {"val_loss": totals.pop("loss") / count}
+    results.update({f"val_{name}": total / count for name, total in sorted(totals.items())})
+    return results, size
