@@ -55,7 +55,8 @@ def measured_close(self):
         tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         return tensor.numel() * tensor.element_size()
     tensors = list(self.model.parameters())
-    tensors += [value for state in self.stepper.optimizer.state.values() for value in state.values() if hasattr(value, "numel")]
+    optimizer_state = self.stepper.optimizer.state.values()
+    tensors += [value for state in optimizer_state for value in state.values() if hasattr(value, "numel")]
     held["state_mib"] = sum(local_bytes(tensor) for tensor in tensors) / 2**20
     held["rss_end_mib"] = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024
     return original_close(self)

@@ -160,6 +160,9 @@ def test_a_sigkilled_job_resumes_from_the_store_bitwise_equal(tmp_path, bucket, 
     logged = lambda: [done for folder, _ in machines for done in logged_steps(folder)]  # noqa: E731 - rank 0's
     _, victim = random.choice(machines)
     workers = wait_for(lambda: list(worker_pids(victim.pid).values()), timeout=180, what="the workers")
+    # a snapshot on the store first (its upload runs beside the steps, which may outrun it), then the chosen step
+    committed = lambda: any(name.endswith("/manifest.json") for name in store().find(f"{bucket}/run"))  # noqa: E731
+    wait_for(committed, timeout=180, what="the first snapshot on the store")
     wait_for(lambda: any(done >= step for done in logged()), timeout=180, interval=0.002, what=f"step {step}")
     time.sleep(random.uniform(0, 0.01))
     os.kill(random.choice(workers), signal.SIGKILL)
