@@ -22,23 +22,34 @@ AWKWARD = {
 # The quick tier of a baked project's own suite (its in-process tests), run for every variant; the whole suite runs
 # once, on a bake whose demo model and data were replaced by a user's own (test_own_model_and_data_pass_the_whole_suite)
 FAST_OWN_TESTS = ["-m", "not slow"]
-# The whole suite of that bake, in groups of test files of about the same length, each group in one pytest process
-# (the template's own two workers share out the groups and the other bakes: no workers inside workers). A file's
-# tests stay together, with the runs its module shares; the last group holds every test file the others do not name.
-WHOLE_SUITE_GROUPS = {
-    "fault-tolerance-exactness": ["test_fault_tolerance", "test_exactness"],
-    "fsdp-launch": ["test_fsdp", "test_launch"],
-    "seam-debug-flags-any-batch": ["test_seam", "test_debug_flags", "test_any_batch"],
-    "debug-debug-recipes": ["test_debug", "test_debug_recipes"],
-    "train-recipes-user-view": ["test_train", "test_recipes", "test_user_view"],
-    "the-others": None,
-}
 OWN_MODEL = ROOT / "tests" / "own_model"
 OWN_LM = ROOT / "tests" / "own_lm"  # a transformer language model on a stream, with its own seam tests
 # The machinery's own stress tests (multi-node rendezvous, the job lock's races, crashes inside a save, ...): a user's
-# model, data or settings cannot break what they check, so they run here on one default bake instead of in every
-# bake's suite. Each `<name>_tests.py` runs in the bake as `tests/test_<name>.py`, with the bake's conftest.
+# model, data or settings cannot break what they check, so they are not in a bake's suite; they run in the bake of
+# the whole-suite test, each `<name>_tests.py` as `tests/test_machinery_<name>.py`, with the bake's conftest.
 MACHINERY_TESTS = ROOT / "tests" / "machinery"
+# That bake's suite, machinery stress tests included, in groups of test files of about the same length (about two
+# minutes each on an idle machine), each group in one pytest process: the template's two workers share out the groups
+# and the other bakes (no workers inside workers). A file's tests stay together, with the runs its module shares; the
+# last group holds every test file the others do not name.
+WHOLE_SUITE_GROUPS = {
+    "store-fault-tolerance-exactness": ["test_store", "test_fault_tolerance", "test_exactness"],
+    "machinery-crashes-signals-lock": [
+        "test_machinery_fault_tolerance",
+        "test_machinery_signals",
+        "test_machinery_parent_death",
+        "test_machinery_job_lock",
+    ],
+    "debug-seam-fsdp": [
+        "test_debug",
+        "test_seam",
+        "test_debug_flags",
+        "test_debug_recipes",
+        "test_any_batch",
+        "test_fsdp",
+    ],
+    "the-others": None,
+}
 HF_RECIPE_TESTS = ROOT / "tests" / "own_hf" / "hf_recipe_tests.py"  # docs/recipes.md with transformers, datasets
 # What the opt-in torchft replica groups (replica_groups=yes) leave in a bake: a bake without them names none of it.
 REPLICA_GROUP_TRACES = re.compile(r"torchft|replica[ _-]?group|--fault-tolerance|fault_tolerance", re.I)
@@ -206,6 +217,8 @@ def test_own_model_and_data_pass_the_whole_suite(tmp_path, group):
     """The seam, kept honest: a user's CNN with BatchNorm and their own data, the demo deleted, every test unchanged."""
     project = bake(tmp_path)
     swap_in_own_model(project)
+    for path in MACHINERY_TESTS.glob("*_tests.py"):
+        shutil.copy(path, project / "tests" / f"test_machinery_{path.name.removesuffix('_tests.py')}.py")
     demo_names = re.compile(r"--width|--depth|--dropout|--dataset-size|--val-size|TeacherDataset|\bMLP\b")
     for path in [*project.glob("ddp_project/*.py"), *project.glob("tests/*.py"), project / "train.py"]:
         assert not demo_names.search(path.read_text()), f"{path.relative_to(project)} still names the demo"
@@ -219,21 +232,6 @@ def test_own_model_and_data_pass_the_whole_suite(tmp_path, group):
     summary = result.stdout.strip().splitlines()[-1]
     assert re.search(r"\d+ passed", summary) and "failed" not in summary, summary
     print(f"the swapped-in model's run of {', '.join(files)}: {summary}")
-
-
-MACHINERY_TEST_FILES = sorted(path.name for path in MACHINERY_TESTS.glob("*_tests.py"))
-
-
-@pytest.mark.parametrize("name", MACHINERY_TEST_FILES)
-def test_the_machinerys_stress_tests_pass_in_a_default_bake(tmp_path, name):
-    """One file per test (the template's two workers share them out), run as tests/test_<name>.py."""
-    project = bake(tmp_path)
-    target = f"tests/test_{name.removesuffix('_tests.py')}.py"
-    shutil.copy(MACHINERY_TESTS / name, project / target)
-    result = run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", target, timeout=900)
-    summary = result.stdout.strip().splitlines()[-1]
-    assert re.search(r"\d+ passed", summary) and "failed" not in summary, summary
-    print(f"the machinery's stress tests in {target}: {summary}")
 
 
 def test_rebake_from_the_recorded_answers_reproduces_the_project_byte_for_byte(tmp_path):

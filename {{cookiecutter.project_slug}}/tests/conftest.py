@@ -103,7 +103,8 @@ STAND_IN_VARIABLE = b"TEST_TORCHRUN_STAND_IN"  # tests/warm_torchrun.py's: the p
 
 
 def warm_pool():
-    """The name of this test process's standing zygote; started on first use (until it is up, runs start cold)."""
+    """The name of this test process's standing zygote, started on first use and waited for: a run started before
+    it is up would import everything itself, cold (where it cannot serve, it exits and runs start cold)."""
     if not _POOL:
         name = f"{os.getpid()}-{random.SystemRandom().getrandbits(48):x}"
         # torchrun's agent (tests/warm_torchrun.py), and what WARM_START_PRELOAD adds (transformers, ...)
@@ -119,6 +120,8 @@ def warm_pool():
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
+        listening = lambda: f"@warm-start-pool-{name}" in Path("/proc/net/unix").read_text()  # noqa: E731
+        wait_for(lambda: _POOL[name].poll() is not None or listening(), timeout=120, what="the warm pool")
     return next(iter(_POOL))
 
 
