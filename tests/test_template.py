@@ -28,26 +28,21 @@ OWN_LM = ROOT / "tests" / "own_lm"  # a transformer language model on a stream, 
 # model, data or settings cannot break what they check, so they are not in a bake's suite; they run in the bake of
 # the whole-suite test, each `<name>_tests.py` as `tests/test_machinery_<name>.py`, with the bake's conftest.
 MACHINERY_TESTS = ROOT / "tests" / "machinery"
-# That bake's suite, machinery stress tests included, in groups of test files of about the same length (about two
-# minutes each on an idle machine), each group in one pytest process: the template's two workers share out the groups
-# and the other bakes (no workers inside workers). A file's tests stay together, with the runs its module shares; the
-# last group holds every test file the others do not name.
+# That bake's suite, machinery stress tests included, in groups of test files of about the same length (80-100 s
+# each on an idle machine), each group in one pytest process: the template's workers share out the groups and the
+# other bakes (no workers inside workers). A file's tests stay together, with the runs its module shares; the last
+# group holds every test file the others do not name.
 WHOLE_SUITE_GROUPS = {
-    "store-fault-tolerance-exactness": ["test_store", "test_fault_tolerance", "test_exactness"],
-    "machinery-crashes-signals-lock": [
-        "test_machinery_fault_tolerance",
+    "store-exactness": ["test_store", "test_exactness"],
+    "fault-tolerance": ["test_machinery_fault_tolerance", "test_fault_tolerance"],
+    "debug": ["test_debug", "test_debug_recipes", "test_debug_flags", "test_any_batch"],
+    "signals-lock-nodes": [
         "test_machinery_signals",
-        "test_machinery_parent_death",
         "test_machinery_job_lock",
+        "test_machinery_parent_death",
+        "test_machinery_multinode",
     ],
-    "debug-seam-fsdp": [
-        "test_debug",
-        "test_seam",
-        "test_debug_flags",
-        "test_debug_recipes",
-        "test_any_batch",
-        "test_fsdp",
-    ],
+    "seam-fsdp-launch-recipes": ["test_seam", "test_fsdp", "test_launch", "test_recipes"],
     "the-others": None,
 }
 HF_RECIPE_TESTS = ROOT / "tests" / "own_hf" / "hf_recipe_tests.py"  # docs/recipes.md with transformers, datasets

@@ -157,10 +157,11 @@ def test_a_notebook_launch_survives_a_sigkill_bitwise_and_the_stop_button_saves_
         wait_for(lambda: any(s >= step for s in _steps(kill / "metrics.jsonl")), timeout=180, what=f"step {step}")
         time.sleep(random.uniform(0, 0.3))
         victim = random.randrange(2)
-        os.kill(workers_of(kill)[victim], signal.SIGKILL)
+        workers = wait_for(lambda: len(found := workers_of(kill)) == 2 and found, timeout=60, what="both ranks")
+        os.kill(workers[victim], signal.SIGKILL)
         happened["killed"] = (victim, step)
         wait_for(lambda: any(s >= 20 for s in _steps(stop / "metrics.jsonl")), timeout=180, what="step 20")
-        rank_0 = workers_of(stop)[0]
+        rank_0 = wait_for(lambda: workers_of(stop).get(0), timeout=60, what="rank 0")
         kernel = int(Path(f"/proc/{rank_0}/stat").read_text().rsplit(")", 1)[1].split()[1])  # the agent's process
         assert os.getpgid(kernel) != os.getpgid(0), "the kernel runs in a process group of its own"
         os.killpg(os.getpgid(kernel), signal.SIGINT)  # what the stop button does (Jupyter's "signal" interrupt)
