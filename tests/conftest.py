@@ -1,6 +1,18 @@
-"""Order of the template's tests for ./test.sh's workers (-n 3 --dist load: the first tests are dealt out in turn,
+"""A standing zygote per test process that the baked projects' runs start in (warm_pool), and the order of the
+template's tests for ./test.sh's workers (-n 3 --dist load: the first tests are dealt out in turn,
 then each worker that is done takes the next): the longest first, so they start at once on different workers and
 the short ones fill the gaps at the end."""
+
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # The longest first (minutes each): the whole-suite groups, the replica groups' bake, the Hugging Face recipes, ...
 LONGEST = (
@@ -18,3 +30,42 @@ def pytest_collection_modifyitems(items):
         return LONGEST.index(name) if name in LONGEST else len(LONGEST)
 
     items.sort(key=place)  # stable: the others keep their order
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_pool(tmp_path_factory):
+    """One standing zygote (the baked machinery's warmstart.serve_pool) for every project this test process bakes:
+    their tests' runs start in forks of it, with torch and the Hugging Face libraries imported once here, not once
+    per baked test session (WARM_START_POOL, which a baked tests/conftest.py takes)."""
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    folder = tmp_path_factory.mktemp("pool")
+    subprocess.run(
+        [sys.executable, "-m", "cookiecutter", "--no-input", str(ROOT), "-o", str(folder)],
+        check=True,
+        capture_output=True,
+    )
+    name = f"template-{os.getpid()}-{random.SystemRandom().getrandbits(48):x}"
+    preload = ("torch.distributed.run", "transformers", "datasets", "peft")
+    script = f"from ddp_project.machinery import warmstart; warmstart.serve_pool({name!r}, {preload!r})"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WARM_", "PYTEST_"))}
+    pool = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=folder / "ddp_project",
+        env={**env, "PYTHONPATH": str(folder / "ddp_project")},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while pool.poll() is None and time.monotonic() < deadline:
+        if f"@warm-start-pool-{name}" in Path("/proc/net/unix").read_text():
+            os.environ["WARM_START_POOL"] = name
+            break
+        time.sleep(0.05)
+    yield
+    os.environ.pop("WARM_START_POOL", None)
+    pool.kill()
+    pool.wait()

@@ -481,11 +481,7 @@ def test_the_hugging_face_recipes_resume_bitwise_under_ddp_and_fsdp(tmp_path):
     that save_pretrained wrote, LoRA adapters with peft on a frozen base), SIGKILLed and resumed under ddp and fsdp."""
     project = bake(tmp_path)
     shutil.copy(HF_RECIPE_TESTS, project / "tests" / "test_hf_recipes.py")
-    result = run_in(
-        project,
-        *("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_hf_recipes.py"),
-        timeout=900,
-        WARM_START_PRELOAD="transformers,datasets,peft",  # what the recipes' ranks import: once, not per rank
-    )
+    # (the runs start in forks of tests/conftest.py's pool, which has transformers, datasets and peft imported)
+    result = run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_hf_recipes.py", timeout=900)
     summary = result.stdout.strip().splitlines()[-1]
     assert re.search(r"8 passed", summary) and not re.search(r"failed|error|skipped", summary), summary

@@ -97,8 +97,10 @@ def _in_process_only(request, monkeypatch):
 # Every run a test starts skips torch's imports (2-3 s of CPU per rank, most of a short run): train.py hands itself
 # to a standing zygote this test process starts once (machinery/warmstart.py's serve_pool), as a torchrun restart
 # hands itself to its job's. Tests of cold starts, of the job's own zygote or under a debugger (which is never
-# forked) start cold: child_env(WARM_START_POOL="").
-_POOL: dict = {}  # its name -> its process, kept referenced while it runs
+# forked) start cold: child_env(WARM_START_POOL=""). WARM_START_POOL in this session's environment names a standing
+# zygote to use instead (the template's tests share one among the projects they bake).
+# Its name -> its process (None: a given one).
+_POOL: dict = {os.environ["WARM_START_POOL"]: None} if os.environ.get("WARM_START_POOL") else {}
 STAND_IN_VARIABLE = b"TEST_TORCHRUN_STAND_IN"  # tests/warm_torchrun.py's: the pid a test started, in its ranks
 
 
