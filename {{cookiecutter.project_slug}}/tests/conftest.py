@@ -98,9 +98,11 @@ def _in_process_only(request, monkeypatch):
 # to a standing zygote this test process starts once (machinery/warmstart.py's serve_pool), as a torchrun restart
 # hands itself to its job's. Tests of cold starts, of the job's own zygote or under a debugger (which is never
 # forked) start cold: child_env(WARM_START_POOL=""). WARM_START_POOL in this session's environment names a standing
-# zygote to use instead (the template's tests share one among the projects they bake).
-# Its name -> its process (None: a given one).
-_POOL: dict = {os.environ["WARM_START_POOL"]: None} if os.environ.get("WARM_START_POOL") else {}
+# zygote to use instead (the template's tests share one among the projects they bake); it is taken out of this
+# process's environment, where `import train` would hand the test session itself to the zygote.
+_POOL: dict = {}  # its name -> its process (None: a given one)
+if os.environ.get("WARM_START_POOL"):
+    _POOL[os.environ.pop("WARM_START_POOL")] = None
 STAND_IN_VARIABLE = b"TEST_TORCHRUN_STAND_IN"  # tests/warm_torchrun.py's: the pid a test started, in its ranks
 
 

@@ -35,6 +35,8 @@ from conftest import (
     worker_pids,
 )
 
+from {{ cookiecutter.project_slug }}.machinery.snapshot import MANIFEST, step_name
+
 ARGS = QUICK + ["--max-steps", "80", "--snapshot-every", "20"]
 LOGGED_STEPS = list(range(5, 81, 5))  # --log-every 5 (QUICK)
 
@@ -104,13 +106,17 @@ def test_sigkilled_workers_are_restarted_and_the_job_ends_bitwise_equal(tmp_path
     left_after = None
     for victim, after_step in [(1, 25), (0, 45)]:
         # This attempt's workers (none of the killed attempt's), then a step the killed attempt never reached.
-        wait_for(
-            lambda killed=killed_attempt: len(pids := worker_pids(proc.pid)) == 2 and not set(pids.values()) & killed,
+        workers = wait_for(
+            lambda killed=killed_attempt: (
+                len(pids := worker_pids(proc.pid)) == 2 and not set(pids.values()) & killed and pids
+            ),
             what="two workers of a new attempt",
         )
+        if left_after is None:  # the survivor's pace is measured between saves: one in flight may keep it a while
+            committed = tmp_path / "run-snapshots" / step_name(20) / MANIFEST
+            wait_for(committed.exists, interval=0.01, what="the snapshot of step 20")
         wait_for(reached_step(tmp_path, after_step), what=f"step {after_step}")
         time.sleep(random.uniform(0, 0.1))  # mid-step, mid-save or between saves
-        workers = worker_pids(proc.pid)
         killed = time.monotonic()
         os.kill(workers[victim], signal.SIGKILL)
         if left_after is None:
