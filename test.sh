@@ -8,4 +8,4 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")" && pwd)
 python=$("$root/scripts/setup-env.sh")
 cd "$root"
-exec "$python" -m pytest tests -n 3 --dist load "$@"
+exec "$python" -m pytest tests -n 3 --dist load --maxschedchunk 1 "$@"

@@ -1,7 +1,7 @@
 """A standing zygote per test process that the baked projects' runs start in (warm_pool), and the order of the
-template's tests for ./test.sh's workers (-n 3 --dist load: the first tests are dealt out in turn,
-then each worker that is done takes the next): the longest first, so they start at once on different workers and
-the short ones fill the gaps at the end."""
+template's tests for ./test.sh's workers (-n 3 --dist load --maxschedchunk 1: each worker gets two tests to start
+with, then the next one whenever it has fewer than two): the longest first, so they start at once on different
+workers and the short ones fill the gaps at the end."""
 
 import os
 import random
@@ -14,11 +14,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The longest first (minutes each): the whole-suite groups, the replica groups' bake, the Hugging Face recipes, ...
+# The longest first (minutes each): the Hugging Face recipes and the replica groups' bake (on one worker), the
+# whole-suite groups (two by two on the others), ...
 LONGEST = (
-    "test_own_model_and_data_pass_the_whole_suite",
-    "test_replica_groups_yes_bakes_torchft_replica_groups_that_pass_their_tests",
     "test_the_hugging_face_recipes_resume_bitwise_under_ddp_and_fsdp",
+    "test_replica_groups_yes_bakes_torchft_replica_groups_that_pass_their_tests",
+    "test_own_model_and_data_pass_the_whole_suite",
     "test_dry_run_prepares_installs_tests_and_benchmarks_then_prints_one_table",
     "test_a_transformer_lm_on_a_stream_passes_the_seam_tests",
 )

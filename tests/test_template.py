@@ -28,7 +28,7 @@ OWN_LM = ROOT / "tests" / "own_lm"  # a transformer language model on a stream, 
 # model, data or settings cannot break what they check, so they are not in a bake's suite; they run in the bake of
 # the whole-suite test, each `<name>_tests.py` as `tests/test_machinery_<name>.py`, with the bake's conftest.
 MACHINERY_TESTS = ROOT / "tests" / "machinery"
-# That bake's suite, machinery stress tests included, in groups of test files of about the same length (80-100 s
+# That bake's suite, machinery stress tests included, in groups of test files of about the same length (60-100 s
 # each on an idle machine), each group in one pytest process: the template's workers share out the groups and the
 # other bakes (no workers inside workers). A file's tests stay together, with the runs its module shares; the last
 # group holds every test file the others do not name.
@@ -42,7 +42,8 @@ WHOLE_SUITE_GROUPS = {
         "test_machinery_parent_death",
         "test_machinery_multinode",
     ],
-    "seam-fsdp-launch-recipes": ["test_seam", "test_fsdp", "test_launch", "test_recipes"],
+    "seam-fsdp": ["test_seam", "test_fsdp"],
+    "launch-recipes": ["test_launch", "test_recipes"],
     "the-others": None,
 }
 HF_RECIPE_TESTS = ROOT / "tests" / "own_hf" / "hf_recipe_tests.py"  # docs/recipes.md with transformers, datasets
