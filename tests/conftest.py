@@ -62,7 +62,7 @@ def warm_pool(tmp_path_factory):
     )
     deadline = time.monotonic() + 120
     while pool.poll() is None and time.monotonic() < deadline:
-        if f"@warm-start-pool-{name}" in Path("/proc/net/unix").read_text():
+        if f"@warm-start-pool-{name}" in Path("/proc/net/unix").read_text():  # the bake's warmstart.POOL_ADDRESS
             os.environ["WARM_START_POOL"] = name
             break
         time.sleep(0.05)

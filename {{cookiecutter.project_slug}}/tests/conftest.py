@@ -124,7 +124,10 @@ def warm_pool():
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
-        listening = lambda: f"@warm-start-pool-{name}" in Path("/proc/net/unix").read_text()  # noqa: E731
+        from {{ cookiecutter.project_slug }}.machinery.warmstart import POOL_ADDRESS
+
+        shown = POOL_ADDRESS.replace("\0", "@", 1) + name  # how /proc/net/unix shows an abstract socket
+        listening = lambda: shown in Path("/proc/net/unix").read_text()  # noqa: E731
         wait_for(lambda: _POOL[name].poll() is not None or listening(), timeout=120, what="the warm pool")
     return next(iter(_POOL))
 
