@@ -4,20 +4,11 @@
 
     summary = launch(nproc_per_node=2, args=["--max-steps", "200"], max_restarts=2)
 
-It runs the same thing torchrun runs, through torch's own elastic launcher (`torch.distributed.launcher.api`): an
-agent in the calling process starts `train.py` in N fresh interpreters, restarts all of them from the newest snapshot
-when one dies (up to `max_restarts` times, with the per-attempt store of distributed.py), and stops them on a signal.
-What it adds for a notebook:
-- The ranks' output is shown in the caller's own sys.stdout/sys.stderr (the cell's output) as it comes: rank 0's
-  INFO lines once, the other ranks' warnings and errors tagged with their rank.
-- A failure comes back as one exception whose message is the cause in one line: `RunError` for a setting refused
-  (also checked here before any rank starts), `TrainingFailed` for a rank that failed every attempt.
-- Interrupting the caller (the notebook's stop button, Ctrl-C) stops every rank at the same step with a snapshot,
-  then raises KeyboardInterrupt; launching again resumes.
-- It returns rank 0's run summary (the keys of `<export-dir>/summary.json`) as a dict.
-
-The workers are fresh interpreters, as under torchrun: CUDA initialised in the caller, functions defined in a
-notebook and scripts without an `if __name__ == "__main__":` guard do not matter to them.
+It runs torch's own elastic launcher (`torch.distributed.launcher.api`) in the calling process, as
+`torchrun --standalone` does: fresh interpreters for the ranks, restarts from the newest snapshot. What it adds for a
+notebook (README.md, "From a notebook or a script"): the ranks' output in the caller's sys.stdout and sys.stderr as
+it comes, a failure as one exception naming its cause (`RunError` for a refused setting, also checked here before
+any rank starts; `TrainingFailed`), and KeyboardInterrupt once an interrupt has stopped every rank with a snapshot.
 """
 
 from __future__ import annotations
@@ -256,20 +247,18 @@ def _cause(exc: Any) -> tuple[int, int, str]:
     of it record that they were (`peer`), and ranks killed by a signal record nothing. The earliest error of a
     rank's own wins, then a rank killed by a signal, then what a rank stopped by another says.
     """
-    recorded = {rank: _message(f) for rank, f in exc.failures.items() if _recorded(f) == "own"}
-    if recorded:
-        rank = min(recorded, key=lambda r: (exc.failures[r].timestamp, r))
-        return rank, exc.failures[rank].exitcode, recorded[rank]
-    killed = {rank: f for rank, f in exc.failures.items() if f.exitcode < 0}
-    if any(f.exitcode != -signal.SIGTERM for f in killed.values()):  # SIGTERM: how the agent stops the survivors
-        killed = {rank: f for rank, f in killed.items() if f.exitcode != -signal.SIGTERM}
-    if killed:
-        rank = min(killed, key=lambda r: (killed[r].timestamp, r))
-        return rank, killed[rank].exitcode, f"killed by {killed[rank].signal_name()}"
-    stopped = {rank: _message(f) for rank, f in exc.failures.items() if _recorded(f) == "peer"}
-    if stopped:
-        rank = min(stopped, key=lambda r: (exc.failures[r].timestamp, r))
-        return rank, exc.failures[rank].exitcode, stopped[rank]
+    failures = exc.failures
+    killed = [rank for rank, f in failures.items() if f.exitcode < 0]
+    # SIGTERM is how the agent stops the survivors: a rank killed by another signal says more.
+    by_signal = [rank for rank in killed if failures[rank].exitcode != -signal.SIGTERM]
+    for ranks, says in (
+        ([rank for rank, f in failures.items() if _recorded(f) == "own"], _message),
+        (by_signal or killed, lambda f: f"killed by {f.signal_name()}"),
+        ([rank for rank, f in failures.items() if _recorded(f) == "peer"], _message),
+    ):
+        if ranks:
+            rank = min(ranks, key=lambda r: (failures[r].timestamp, r))
+            return rank, failures[rank].exitcode, says(failures[rank])
     rank, failure = exc.get_first_failure()
     return rank, failure.exitcode, "failed without recording an error (its output above says why)"
 
