@@ -1,12 +1,6 @@
-"""A watch on the training thread: when no step finishes for nearly as long as a collective may wait, every
-thread's Python stack goes to this rank's stack file, so a hung job shows where each rank was.
-
-A rank that stops (SIGSTOP, a stuck filesystem, a deadlock in user code) leaves the others waiting in a
-collective until --dist-timeout runs out; then they fail and torchrun restarts the job (a hang costs about
---dist-timeout plus torchrun's 30 s grace to kill the stopped rank). Shortly before the timeout, each waiting
-rank writes its stacks (faulthandler, every thread) to `stacks-rank<N>.txt` beside the log file and logs a
-warning naming it: their stacks show the collective they wait in; the rank whose file is missing, or whose
-stack shows it elsewhere, is the one that hung.
+"""A watch on the training thread: a rank that hangs leaves the others waiting in a collective until --dist-timeout.
+Shortly before that, each waiting rank writes every thread's stack to `stacks-rank<N>.txt` beside the log file: the
+rank whose file is missing, or whose stack is not in a collective, is the one that hung (docs/troubleshooting.md).
 """
 
 import faulthandler
