@@ -1,21 +1,15 @@
 """One job per snapshot folder: rank 0 holds `<snapshot-dir>/job.lock`, a JSON record (host, boot id, pid and its
 start time, torchrun job id, start, heartbeat, a random owner token); a job that finds a live job's lock is refused
-at start-up. What users see of it: docs/fault-tolerance.md, "One job per snapshot folder".
+at start-up. What users see, and the limits: docs/fault-tolerance.md, "One job per snapshot folder".
 
 It works where machines share the folder (NFS, Lustre) and flock()/fcntl() depend on a lock service that is often
 missing: a free lock is taken by hard-linking a fully written temporary file to job.lock (atomic on NFS too; the
 link count settles a reply the network lost; O_CREAT|O_EXCL where there are no hard links), and a heartbeat thread
 rewrites it every HEARTBEAT_S. A lock is live, on the same machine (host name and boot id), while its process exists
 (the same one: a reused pid has another start time); from another machine, while its heartbeat is younger than
-JOB_LOCK_STALE_S, measured with the folder's filesystem clock on both ends (`_gone`). A restart of the same torchrun
-job takes the lock over at once, a dead job's lock with a warning, both under a second lock (job.lock.takeover) and
-only if job.lock is still the one judged dead, so two jobs starting at once cannot both take it.
-
-Limits: a job that stops heartbeating while alive (paused in a debugger, SIGSTOPped, cut off from the folder) looks
-dead from another machine after JOB_LOCK_STALE_S, and commits no more snapshots once it notices; containers that
-share a host name and boot id but not a pid namespace look like one machine; two torchrun jobs given the same
---rdzv-id are one job (torchrun's default "none" is none: identity.current_job); it guards the folder against this
-project's jobs only, not against people or other programs.
+JOB_LOCK_STALE_S by the folder's filesystem clock (`_filesystem_now`). Take-overs (a restart of the same torchrun job
+at once, a dead job's lock with a warning) happen under a second lock, job.lock.takeover, and only if job.lock is
+still the one judged dead, so two jobs starting at once cannot both take it.
 """
 
 import errno
@@ -40,14 +34,9 @@ DEFAULT_STALE_S = 30.0  # a heartbeat older than this, seen from another machine
 UNREADABLE_GRACE_S = 2.0  # an unreadable lock younger than this may be one being created with O_EXCL
 ATTEMPTS = 50  # take-over races lost before giving up
 CLOCK_TOLERANCE_S = 2.0  # a lock dated further ahead of the folder's clock than this has a date nobody can trust
-_REQUIRED: dict[str, type | tuple[type, ...]] = {
-    "host": str,
-    "pid": int,
-    "job": str,
-    "started": (int, float),
-    "heartbeat": (int, float),
-    "owner": str,
-}
+_REQUIRED: dict[str, type | tuple[type, ...]] = dict(
+    host=str, pid=int, job=str, started=(int, float), heartbeat=(int, float), owner=str
+)
 
 
 class JobLockError(RuntimeError):
@@ -57,10 +46,8 @@ class JobLockError(RuntimeError):
 def stale_after_s() -> float:
     """Seconds without a heartbeat after which a lock held from another machine counts as dead (JOB_LOCK_STALE_S)."""
     text = os.environ.get("JOB_LOCK_STALE_S", "").strip()
-    if not text:
-        return DEFAULT_STALE_S
     try:
-        seconds = float(text)
+        seconds = float(text) if text else DEFAULT_STALE_S
     except ValueError:
         seconds = math.nan
     if not (math.isfinite(seconds) and seconds > 0):
@@ -90,12 +77,10 @@ def _read(path: str) -> tuple[dict | None, os.stat_result]:
     """A lock file's record (None when it is not a valid one: any bytes, any size, not a file) and its attributes
     as the file server has them."""
     info, data = _open_stat(path, 1 << 16)
-    if not stat.S_ISREG(info.st_mode):
-        return None, info
     try:
-        record = json.loads(data)
+        record = json.loads(data) if stat.S_ISREG(info.st_mode) else None
     except (ValueError, RecursionError):
-        return None, info
+        record = None
     valid = isinstance(record, dict) and all(
         isinstance(record.get(key), kind) and not isinstance(record.get(key), bool) for key, kind in _REQUIRED.items()
     )
@@ -216,11 +201,9 @@ class JobLock:
     # -- taking the lock -----------------------------------------------------------------------------------------
 
     def acquire(self) -> None:
-        """Take the lock, or raise JobLockError naming the job that holds it. OSError: the folder is not writable.
-
-        Whatever a lock file holds (any bytes, any size, absurd pids, dates ahead of every clock), the answer is
-        the lock or one JobLockError naming the file and how to clear it.
-        """
+        """Take the lock, or raise JobLockError naming the job that holds it (OSError: the folder is not writable).
+        Whatever a lock file holds (any bytes, absurd pids, dates ahead of every clock), the answer is the lock or
+        one JobLockError naming the file and how to clear it."""
         stale_s = stale_after_s()
         self._busy_guard = None
         said: set[str] = set()  # each reason to take over is logged once, however many races are lost after it
@@ -324,11 +307,8 @@ class JobLock:
                 current, _ = _read(self.path)
             except FileNotFoundError:
                 return False
-            same = (
-                current == holder if holder is None else (current is not None and current["owner"] == holder["owner"])
-            )
-            if not same:
-                return False
+            if (current or {}).get("owner") != (holder or {}).get("owner"):
+                return False  # not the lock judged dead any more
             self._rewrite()
             return True
         finally:
