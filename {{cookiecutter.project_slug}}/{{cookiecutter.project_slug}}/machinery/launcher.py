@@ -78,13 +78,20 @@ def launch(
     script = PROJECT_ROOT / "train.py"
     if not script.is_file():
         raise RunError(f"launch() runs {script}, which does not exist (is the project installed without its files?)")
-    _check_devices(cfg.backend, nproc_per_node)
 
+    import torch
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from .distributed import resolve_backend
+
+    if resolve_backend(cfg.backend) == "nccl" and nproc_per_node > (gpus := torch.cuda.device_count()):
+        raise RunError(
+            f"nproc_per_node={nproc_per_node} with nccl needs {nproc_per_node} GPUs, this machine has {gpus}; "
+            "use fewer ranks, or args=['--backend', 'gloo'] to train on CPU"
+        )
     logs = log_dir or tempfile.mkdtemp(prefix="launch-")
     config = LaunchConfig(  # what `torchrun --standalone` sets up
         min_nodes=1,
@@ -149,27 +156,12 @@ def _parse(argv: list[str]) -> Any:
         raise RunError(message.split(": error: ", 1)[-1]) from None
 
 
-def _check_devices(backend: str, nproc: int) -> None:
-    """nccl puts one rank on one GPU: refuse more ranks than GPUs here, before any rank starts."""
-    import torch
-
-    from .distributed import resolve_backend
-
-    if resolve_backend(backend) == "nccl" and nproc > torch.cuda.device_count():
-        raise RunError(
-            f"nproc_per_node={nproc} with nccl needs {nproc} GPUs, this machine has {torch.cuda.device_count()}; "
-            "use fewer ranks, or args=['--backend', 'gloo'] to train on CPU"
-        )
-
-
 @contextlib.contextmanager
 def _kept_signal_handlers() -> Iterator[None]:
     """The agent installs its own SIGINT/SIGTERM/... handlers; give the caller (a notebook kernel) its own back."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
     handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # the agent's defaults
-    kept = {signum: signal.getsignal(signum) for signum in handled}
+    main = threading.current_thread() is threading.main_thread()  # where handlers can be set
+    kept = {signum: signal.getsignal(signum) for signum in handled} if main else {}
     try:
         yield
     finally:
@@ -248,36 +240,31 @@ def _cause(exc: Any) -> tuple[int, int, str]:
     rank's own wins, then a rank killed by a signal, then what a rank stopped by another says.
     """
     failures = exc.failures
+    recorded = {rank: _recorded(f) for rank, f in failures.items()}  # (whose, first line)
     killed = [rank for rank, f in failures.items() if f.exitcode < 0]
     # SIGTERM is how the agent stops the survivors: a rank killed by another signal says more.
     by_signal = [rank for rank in killed if failures[rank].exitcode != -signal.SIGTERM]
     for ranks, says in (
-        ([rank for rank, f in failures.items() if _recorded(f) == "own"], _message),
-        (by_signal or killed, lambda f: f"killed by {f.signal_name()}"),
-        ([rank for rank, f in failures.items() if _recorded(f) == "peer"], _message),
+        ([rank for rank in failures if recorded[rank][0] == "own"], lambda rank: recorded[rank][1]),
+        (by_signal or killed, lambda rank: f"killed by {failures[rank].signal_name()}"),
+        ([rank for rank in failures if recorded[rank][0] == "peer"], lambda rank: recorded[rank][1]),
     ):
         if ranks:
             rank = min(ranks, key=lambda r: (failures[r].timestamp, r))
-            return rank, failures[rank].exitcode, says(failures[rank])
+            return rank, failures[rank].exitcode, says(rank)
     rank, failure = exc.get_first_failure()
     return rank, failure.exitcode, "failed without recording an error (its output above says why)"
 
 
-def _recorded(failure: Any) -> str:
-    """Whose error a failed rank recorded: "own", "peer" (it stopped because of another rank), or "" (none)."""
+def _recorded(failure: Any) -> tuple[str, str]:
+    """Whose error a failed rank recorded ("own"; "peer": it stopped because of another rank; "": none), and the
+    error's first line."""
     if not os.path.isfile(failure.error_file):
-        return ""
-    message = failure.message
+        return "", ""
+    message = failure.message  # record()'s layout: {"message": "Kind: text", "extraInfo": {...}}, or a string
     extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
-    return "peer" if extra.get("peer") else "own"
-
-
-def _message(failure: Any) -> str:
-    message = failure.message
-    if isinstance(message, dict):  # record()'s layout: {"message": "Kind: text", "extraInfo": {...}}
-        message = message.get("message", "")
-    lines = str(message).strip().splitlines()
-    return lines[0] if lines else "failed"
+    lines = str(message.get("message", "") if isinstance(message, dict) else message).strip().splitlines()
+    return "peer" if extra.get("peer") else "own", lines[0] if lines else "failed"
 
 
 def _summary(export_dir: Path, started: float) -> dict[str, Any]:
@@ -286,12 +273,9 @@ def _summary(export_dir: Path, started: float) -> dict[str, Any]:
     candidates = [export_dir / "summary.json", *export_dir.parent.glob(f"{export_dir.name}.*/summary.json")]
     written = []
     for path in candidates:
-        try:
-            mtime = path.stat().st_mtime
-        except OSError:
-            continue
-        if mtime >= started - 1:
-            written.append((mtime, path))
+        with contextlib.suppress(OSError):  # gone meanwhile
+            written.append((path.stat().st_mtime, path))
+    written = [(mtime, path) for mtime, path in written if mtime >= started - 1]
     if not written:
         raise TrainingFailed(f"the run finished but rank 0 wrote no summary to {export_dir}", 0, 0)
     path = max(written)[1]
