@@ -79,10 +79,6 @@ def _rewrite_command_line(args: list[str], scrub_environment: bool = False) -> N
         ctypes.memmove(env_start, b"\0".join(scrubbed)[:size], size)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The worker's side: leave a zygote (first attempt), or hand the rank to it (restarts).
-
-
 def serve_restarts() -> None:
     """In local rank 0 of a torchrun job that may restart, after the heavy imports and before anything else: fork
     this machine's zygote (a copy of this process as it is now), once per job."""
@@ -221,10 +217,6 @@ def _frame(request: dict[str, Any]) -> bytes:
     return _LENGTH.pack(len(payload)) + payload
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The zygote.
-
-
 @dataclass
 class _Client:
     conn: socket.socket
@@ -243,8 +235,7 @@ class _Zygote:
         self.selector = selectors.DefaultSelector()
         self.clients: dict[int, _Client] = {}  # by child pid
         self.pidfds = hasattr(os, "pidfd_open")
-        with open("/proc/self/comm", "rb") as handle:
-            self.name = handle.read().strip()  # the interpreter's: the children take it back
+        self.name = Path("/proc/self/comm").read_bytes().strip()  # the interpreter's: the children take it back
         self.python_path = os.environ.get("PYTHONPATH", "")
 
     def run(self) -> None:
