@@ -3,6 +3,7 @@ Shortly before that, each waiting rank writes every thread's stack to `stacks-ra
 rank whose file is missing, or whose stack is not in a collective, is the one that hung (docs/troubleshooting.md).
 """
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -47,14 +48,10 @@ class HangWatch:
             f"--- rank {self.rank}, pid {os.getpid()}, {time.strftime('%Y-%m-%d %H:%M:%S')}: no training step "
             f"finished for {idle:.0f} s; the stack of every thread follows ---\n"
         )
-        if self.path:
-            with open(self.path, "a", encoding="utf-8") as handle:
-                handle.write(header)
-                handle.flush()
-                faulthandler.dump_traceback(file=handle, all_threads=True)
-        else:
-            sys.stderr.write(header)
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        with open(self.path, "a", encoding="utf-8") if self.path else contextlib.nullcontext(sys.stderr) as handle:
+            handle.write(header)
+            handle.flush()
+            faulthandler.dump_traceback(file=handle, all_threads=True)
         log.warning(
             "no training step finished for %.0f s (a rank may hang; the job fails at --dist-timeout): the "
             "stacks of this rank's threads are in %s",
