@@ -1,8 +1,5 @@
-"""How a rank's process exits: as the interpreter would, without its last garbage collection.
-
-train.py ends through `run_and_exit`; a warm child (warmstart.py) ends through it too, and its stand-in exits with
-the child's code or signal (`exit_as`).
-"""
+"""How a rank's process exits: as the interpreter would, without its last garbage collection (`run_and_exit`, for
+train.py and warm children); a warm child's stand-in exits with the child's code or signal (`exit_as`)."""
 
 import atexit
 import contextlib
