@@ -180,22 +180,17 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
         yield
     finally:
         for name, before in kept.items():
-            if before is None:
-                os.environ.pop(name, None)
-            else:
+            os.environ.pop(name, None)
+            if before is not None:
                 os.environ[name] = before
 
 
 @contextlib.contextmanager
 def _shown(log_dir: str, job: str) -> Iterator[None]:
-    """Copy every rank's output files, as they grow, to the caller's sys.stdout and sys.stderr, whole lines only.
-
-    Rank 0 logs INFO and up, the other ranks only their warnings and errors (logs.py), so this shows each
-    record once.
-    """
+    """Copy every rank's output files, as they grow, to the caller's sys.stdout and sys.stderr, whole lines only
+    (rank 0 logs INFO and up, the other ranks their warnings and errors: logs.py)."""
     done = threading.Event()
     offsets: dict[Path, int] = {}
-    partial: dict[Path, bytes] = {}
 
     def copy(final: bool = False) -> None:
         for path in sorted(Path(log_dir).glob(f"{job}_*/attempt_*/*/std*.log")):
@@ -205,13 +200,8 @@ def _shown(log_dir: str, job: str) -> Iterator[None]:
                     data = handle.read()
             except OSError:
                 continue
-            offsets[path] = offsets.get(path, 0) + len(data)
-            data = partial.pop(path, b"") + data
-            whole, _, rest = data.rpartition(b"\n")
-            if final:
-                whole, rest = data, b""
-            if rest:
-                partial[path] = rest
+            whole = data if final else data[: data.rfind(b"\n") + 1]  # a line being written: the next time
+            offsets[path] = offsets.get(path, 0) + len(whole)
             if whole:
                 stream = sys.stdout if path.name == "stdout.log" else sys.stderr
                 text = whole.decode("utf-8", errors="replace")
