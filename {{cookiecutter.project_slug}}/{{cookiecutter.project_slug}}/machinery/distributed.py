@@ -104,8 +104,7 @@ def _fresh_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store:
     """
     global _store_address
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    if not agent_store:
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         # Rank 0 hosts the bootstrap store itself, new for every attempt: nothing stale can be in it.
         _store_address = (host, port)
         return dist.TCPStore(host, port, env.world_size, is_master=env.rank == 0, timeout=timeout)
