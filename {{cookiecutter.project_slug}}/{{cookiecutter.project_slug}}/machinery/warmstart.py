@@ -108,11 +108,9 @@ def serve_restarts() -> None:
 
 
 def handoff() -> None:
-    """At the top of train.py: in a torchrun restart, run this rank in a child of the job's zygote.
-
-    Returns at once where there is none (the worker then starts cold); otherwise this process stays the rank's
-    stand-in and exits when the child does, with its exit code or signal. With WARM_START_POOL set, first starts
-    and `python train.py` too run in a child of that standing zygote (serve_pool).
+    """At the top of train.py: in a torchrun restart, run this rank in a child of the job's zygote, and exit as the
+    child exits (this process stays as its stand-in); return at once where there is none (a cold start). With
+    WARM_START_POOL set, first starts and `python train.py` too run in a child of that standing zygote (serve_pool).
     """
     pool = os.environ.get(ENV_POOL, "")
     if identity.warm_child() or not (pool or identity.torchrun_worker()) or not enabled():
