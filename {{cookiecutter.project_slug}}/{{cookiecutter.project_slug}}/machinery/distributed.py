@@ -4,6 +4,7 @@
 else in the project works the same way in both cases.
 """
 
+import dataclasses
 import datetime
 import importlib
 import logging
@@ -12,7 +13,6 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import torch
@@ -31,7 +31,7 @@ _store_address: tuple[str, int] | None = None  # this attempt's process group st
 CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"  # cuBLAS's deterministic setting; ":16:8" is too, with less memory
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class DistEnv:
     rank: int = 0
     local_rank: int = 0
@@ -84,12 +84,8 @@ def pick_device(backend: str, local_rank: int) -> torch.device:
 
 
 def set_cpu_threads(env: DistEnv, threads_per_rank: int) -> int:
-    """Split the cores among the ranks of this machine, so ranks don't fight over them.
-
-    torchrun sets OMP_NUM_THREADS=1 for every rank, which leaves cores idle when there are more cores than
-    ranks; oversubscribing them is worse. A run's thread count is part of its numerics: keep it the same
-    when you compare runs bit for bit.
-    """
+    """Split this machine's cores among its ranks: torchrun's OMP_NUM_THREADS=1 leaves cores idle, oversubscribing
+    them is worse. A run's thread count is part of its numerics: keep it when you compare runs bit for bit."""
     if threads_per_rank == 0:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         threads_per_rank = max(1, cores // env.local_world_size)
@@ -100,19 +96,15 @@ def set_cpu_threads(env: DistEnv, threads_per_rank: int) -> int:
 def _fresh_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store:
     """A store that holds only this attempt's keys.
 
-    Under torchrun the workers share the agent's store across restarts, so a restarted worker can read a dead
-    peer's address left by the failed attempt and fail in gloo's connectFullMesh (pytorch/pytorch#135712).
-    Rank 0 therefore serves a new store on a free port and publishes its address in the agent's store; the
-    other ranks skip addresses that no longer answer (left by an earlier attempt) until they reach it.
-
-    This can go, and init_process_group use torchrun's store again, once the torch versions this project
-    supports all start each restart with a fresh rendezvous store: torchrun 2.13 and 2.14 still reuse it
-    (pytorch/pytorch#135712) unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is set in the agent's environment.
+    torchrun's workers share the agent's store across restarts, so a restarted worker can read a dead peer's address
+    left by the failed attempt and fail in gloo's connectFullMesh (pytorch/pytorch#135712; torchrun 2.13 and 2.14
+    still do unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is set for the agent). So rank 0 serves a new store on a free
+    port and publishes its address in the agent's store; the other ranks skip addresses that no longer answer until
+    they reach it. This can go once every supported torch starts each restart with a fresh rendezvous store.
     """
     global _store_address
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    if not agent_store:
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         # Rank 0 hosts the bootstrap store itself, new for every attempt: nothing stale can be in it.
         _store_address = (host, port)
         return dist.TCPStore(host, port, env.world_size, is_master=env.rank == 0, timeout=timeout)
@@ -152,13 +144,10 @@ def store_address() -> tuple[str, int]:
 
 
 def once_per_machine(env: DistEnv, name: str, function: Callable[[], Any]) -> None:
-    """`function()` on this machine's local rank 0, while the machine's other ranks wait for it to end, however
-    long it takes: they poll a key of the job's store, not a collective, so --dist-timeout does not cut a long
-    download or tokenization short. If local rank 0 dies, torchrun stops the others.
-
-    An exception in it is raised on local rank 0 (the caller tells it); the machine's other ranks raise
-    PeerFailed naming `name` and that rank. Ranks of a machine are numbered from `rank - local_rank` (torchrun's).
-    """
+    """`function()` on this machine's local rank 0 while its other ranks wait, however long it takes: they poll a
+    key of the job's store, not a collective, so --dist-timeout does not cut a long download short. An exception is
+    raised on local rank 0; the other ranks raise PeerFailed naming `name` and that rank (if it dies, torchrun
+    stops them). Ranks of a machine are numbered from `rank - local_rank`, as torchrun numbers them."""
     if not env.is_distributed or env.local_world_size == 1:
         function()
         return
@@ -210,15 +199,10 @@ def collective_timeout(cfg: Any) -> datetime.timedelta:
 
 
 def use_deterministic_algorithms() -> None:
-    """The same bits from the same inputs on the same GPU and software, as PyTorch's reproducibility notes ask.
-
-    The cost, as they document it: deterministic operations are often slower than the others, cuDNN no longer
-    benchmarks convolution algorithms to pick the fastest, and an operation that has no deterministic
-    implementation raises a RuntimeError naming it instead of running. Under --compile, inductor skips its
-    autotuning too.
-    """
-    # cuBLAS reads this when it first sets up a stream's workspace, so it must be in place before the first
-    # matrix product; a value the user set (":16:8" is the smaller deterministic one) is kept.
+    """The same bits from the same inputs on the same GPU and software (PyTorch's reproducibility notes), at the cost
+    they document: slower operations, no cuDNN benchmarking (nor inductor autotuning under --compile), and a
+    RuntimeError naming any operation that has no deterministic implementation."""
+    # cuBLAS reads it when it first sets up a stream's workspace: before the first matrix product. A user's is kept.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
@@ -236,12 +220,10 @@ def init(env: DistEnv, cfg: Any) -> DistEnv:
     if "RANK" not in os.environ:
         env = DistEnv(device=device)
     else:
-        # Imported before the process group exists, not by DDP or the optimizer afterwards: importing it later
-        # leaves references to the group in module state (10 with torch 2.13), so destroy_process_group() cannot
-        # free it, and gloo's threads live on into interpreter shutdown, where one can abort the process
-        # (SIGABRT, "terminate called without an active exception") after a run that succeeded.
+        # Imported before the process group exists: imported later (by DDP or the optimizer) it keeps references to
+        # the group (10 with torch 2.13), so destroy_process_group() cannot free it, and gloo's threads live on into
+        # interpreter shutdown, where one can abort a run that succeeded (SIGABRT, "terminate called without...").
         importlib.import_module("torch._dynamo")
-
         timeout = collective_timeout(cfg)
         store = _fresh_store(env, timeout)
         dist.init_process_group(
@@ -254,16 +236,9 @@ def init(env: DistEnv, cfg: Any) -> DistEnv:
             timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
-        env = DistEnv(env.rank, env.local_rank, env.world_size, env.local_world_size, backend, device)
+        env = dataclasses.replace(env, backend=backend, device=device)
     threads = set_cpu_threads(env, cfg.threads_per_rank) if device.type == "cpu" else torch.get_num_threads()
-    log.debug(
-        "rank %d of %d up: backend %s, device %s, %d CPU threads",
-        env.rank,
-        env.world_size,
-        env.backend,
-        env.device,
-        threads,
-    )
+    log.debug("rank %d/%d up: %s, %s, %d CPU threads", env.rank, env.world_size, env.backend, env.device, threads)
     if debug.wait_for_debugger(env, at_start=not getattr(cfg, "break_at_step", 0)):
         barrier(env)  # the ranks nobody debugs wait here for those a debugger attaches to
     return env
@@ -336,11 +311,8 @@ E = TypeVar("E", bound=Exception)
 
 
 def decided_on_rank_0(env: DistEnv, decide: Callable[[], T], error: type[E]) -> T:
-    """What `decide()` returns on rank 0, on every rank; where it raises `error`, every rank raises it alike.
-
-    For what only rank 0 can check (a folder it writes, a file it reads): the other ranks wait for its word, so
-    none goes on alone and each says the same.
-    """
+    """What `decide()` returns on rank 0, on every rank; where it raises `error`, every rank raises it alike: for
+    what only rank 0 can check (a folder it writes, a file it reads), so no rank goes on alone."""
     problem, value = None, None
     if env.is_main:
         try:
@@ -354,12 +326,9 @@ def decided_on_rank_0(env: DistEnv, decide: Callable[[], T], error: type[E]) -> 
 
 
 def broadcast_buffers(env: DistEnv, model: torch.nn.Module) -> None:
-    """Rank 0's buffers (BatchNorm's running statistics) to every rank, in place.
-
-    Each rank updates its own copy of the buffers in every training forward; DDP overwrites them with rank 0's
-    at the start of the next one. Code that uses them before that (evaluation) calls this first, so every rank
-    sees the statistics that rank 0 saves and exports.
-    """
+    """Rank 0's buffers (BatchNorm's running statistics) to every rank, in place: each rank's training forward
+    updates its own, which DDP overwrites with rank 0's only at the next one. Evaluation calls this first, so every
+    rank uses the statistics rank 0 saves and exports."""
     if env.is_distributed:
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
@@ -375,8 +344,4 @@ def all_sum(env: DistEnv, tensor: torch.Tensor) -> torch.Tensor:
 
 def all_mean(env: DistEnv, tensor: torch.Tensor) -> torch.Tensor:
     """Mean of a tensor over ranks (a copy; the input is left alone)."""
-    if not env.is_distributed:
-        return tensor.clone()
-    out = tensor.detach().clone()
-    dist.all_reduce(out)
-    return out / env.world_size
+    return all_sum(env, tensor) / env.world_size

@@ -1,9 +1,5 @@
-"""Which process is which under torchrun: this rank's job, its worker and agent, and whether a pid is still the same
-process.
-
-A restarted rank may run in a warm child (warmstart.py) while the process torchrun started waits as its stand-in:
-ENV_WORKER and ENV_AGENT then name that worker and its agent, so that the child answers as the worker would.
-"""
+"""Which process is which under torchrun: this rank's job, its worker and agent, whether a pid is still the same
+process. A warm child (warmstart.py) answers as its stand-in, the worker torchrun started, would."""
 
 import os
 import socket
@@ -34,11 +30,8 @@ def agent_pid() -> int:
 
 
 def current_job() -> str:
-    """The torchrun job this process belongs to: TORCHELASTIC_RUN_ID, "" outside torchrun.
-
-    torchrun's default id "none" is shared by every job launched without --rdzv-id, so it names no job; the
-    agent (which lives as long as the job) names it instead.
-    """
+    """The torchrun job this process belongs to: TORCHELASTIC_RUN_ID, "" outside torchrun. torchrun's default id
+    "none" is every job's without --rdzv-id, so the agent (which lives as long as the job) names it instead."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id == "none":
         return f"none@{socket.gethostname()}:{agent_pid()}"

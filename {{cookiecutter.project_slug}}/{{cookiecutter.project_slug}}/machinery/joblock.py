@@ -1,51 +1,15 @@
-"""One job per snapshot folder.
+"""One job per snapshot folder: rank 0 holds `<snapshot-dir>/job.lock`, a JSON record (host, boot id, pid and its
+start time, torchrun job id, start, heartbeat, a random owner token); a job that finds a live job's lock is refused
+at start-up. What users see, and the limits: docs/fault-tolerance.md, "One job per snapshot folder".
 
-Rank 0 of a job holds `<snapshot-dir>/job.lock`, a small JSON file: host, boot id, pid (and the pid's start
-time), the torchrun job id (TORCHELASTIC_RUN_ID, "" without torchrun), when the job started, its last heartbeat
-and a random owner token. A second job that finds the lock of a live job is refused at start-up, so two jobs never
-write, prune or clean up the same folder.
-
-It works on a folder that several machines share (NFS, Lustre, ...), where flock()/fcntl() locks depend on a lock
-service that is often missing or unreliable:
-- Taking a free lock: the record is written whole to a temporary file in the folder, then hard-linked to
-  job.lock. link() fails when job.lock exists, atomically, also over NFS; the link count of the temporary file
-  (2 on success) settles a reply the network lost. Where the filesystem has no hard links, job.lock is created
-  with O_CREAT|O_EXCL instead.
-- While the job runs, a heartbeat thread rewrites the lock every HEARTBEAT_S seconds (temporary file, then
-  rename), after checking that the lock is still its own.
-- A lock held by a live job is respected. On the same machine (same host name and boot id) "live" means its
-  process exists (and is the same process: a reused pid has another start time). Across machines it means a
-  heartbeat younger than JOB_LOCK_STALE_S (environment, default 30 s).
-- A restart of the same torchrun job (same TORCHELASTIC_RUN_ID; rank 0 may now run on another machine) takes the
-  lock over at once; the lock of a job that is gone (dead pid, or a stale heartbeat) is taken over with a warning.
-  A take-over happens under a second lock file (job.lock.takeover, taken the same way) and only if job.lock is
-  still the one judged dead, so two jobs starting at once cannot both take it. A take-over file left by a job that
-  died while taking over is judged like a lock (its process on this machine, its age from another) and removed.
-- Whatever a lock file holds, the answer is the lock or one line naming the file: a file that is not a lock record
-  (any bytes, any size) is taken over once it has not changed for UNREADABLE_GRACE_S; a pid no process can have
-  (<= 0, beyond pid_t) is a dead job's. A live pid without a recorded start time (pid 1 is always alive) is
-  respected, and the refusal says to delete the lock if no job uses the folder.
-
-Clocks: the heartbeat's age is measured with the filesystem's clock on both ends, never the writer's or the
-reader's own: the lock file's mtime (set by the file server when the heartbeat is written) against the mtime of a
-file the reader writes there just before comparing. Machines whose clocks disagree therefore agree on the age.
-A lock dated ahead of that clock (a client that sets mtimes itself, a copied folder) has a date nobody can trust:
-it is watched for JOB_LOCK_STALE_S instead, and taken over if no heartbeat rewrites it meanwhile.
-The file is opened before its attributes are read, which makes an NFS client fetch them anew (close-to-open
-consistency) instead of answering from its attribute cache.
-
-Limits:
-- A job that stops heartbeating while alive (all threads paused in a debugger, SIGSTOPped, a machine cut off from
-  the folder) looks dead to a job starting on another machine after JOB_LOCK_STALE_S, which then takes the lock.
-  The first job notices at its next heartbeat and commits no more snapshots; set JOB_LOCK_STALE_S higher where
-  such pauses are expected.
-- Machines are told apart by host name and boot id: containers that share both but not a pid namespace look
-  like one machine, and a live job there would look dead.
-- Two torchrun jobs given the same --rdzv-id count as one job. torchrun's own default id ("none", used when
-  neither --rdzv-id nor --standalone is given) is not taken as a job's identity: such a job is named by its
-  host and its agent's pid instead.
-- The lock guards the folder against other jobs of this project only; it does not stop a person or another
-  program from changing files in it.
+It works where machines share the folder (NFS, Lustre) and flock()/fcntl() depend on a lock service that is often
+missing: a free lock is taken by hard-linking a fully written temporary file to job.lock (atomic on NFS too; the
+link count settles a reply the network lost; O_CREAT|O_EXCL where there are no hard links), and a heartbeat thread
+rewrites it every HEARTBEAT_S. A lock is live, on the same machine (host name and boot id), while its process exists
+(the same one: a reused pid has another start time); from another machine, while its heartbeat is younger than
+JOB_LOCK_STALE_S by the folder's filesystem clock (`_filesystem_now`). Take-overs (a restart of the same torchrun job
+at once, a dead job's lock with a warning) happen under a second lock, job.lock.takeover, and only if job.lock is
+still the one judged dead, so two jobs starting at once cannot both take it.
 """
 
 import errno
@@ -70,14 +34,9 @@ DEFAULT_STALE_S = 30.0  # a heartbeat older than this, seen from another machine
 UNREADABLE_GRACE_S = 2.0  # an unreadable lock younger than this may be one being created with O_EXCL
 ATTEMPTS = 50  # take-over races lost before giving up
 CLOCK_TOLERANCE_S = 2.0  # a lock dated further ahead of the folder's clock than this has a date nobody can trust
-_REQUIRED: dict[str, type | tuple[type, ...]] = {
-    "host": str,
-    "pid": int,
-    "job": str,
-    "started": (int, float),
-    "heartbeat": (int, float),
-    "owner": str,
-}
+_REQUIRED: dict[str, type | tuple[type, ...]] = dict(
+    host=str, pid=int, job=str, started=(int, float), heartbeat=(int, float), owner=str
+)
 
 
 class JobLockError(RuntimeError):
@@ -87,10 +46,8 @@ class JobLockError(RuntimeError):
 def stale_after_s() -> float:
     """Seconds without a heartbeat after which a lock held from another machine counts as dead (JOB_LOCK_STALE_S)."""
     text = os.environ.get("JOB_LOCK_STALE_S", "").strip()
-    if not text:
-        return DEFAULT_STALE_S
     try:
-        seconds = float(text)
+        seconds = float(text) if text else DEFAULT_STALE_S
     except ValueError:
         seconds = math.nan
     if not (math.isfinite(seconds) and seconds > 0):
@@ -120,26 +77,19 @@ def _read(path: str) -> tuple[dict | None, os.stat_result]:
     """A lock file's record (None when it is not a valid one: any bytes, any size, not a file) and its attributes
     as the file server has them."""
     info, data = _open_stat(path, 1 << 16)
-    if not stat.S_ISREG(info.st_mode):
-        return None, info
     try:
-        record = json.loads(data)
+        record = json.loads(data) if stat.S_ISREG(info.st_mode) else None
     except (ValueError, RecursionError):
-        return None, info
-    if not isinstance(record, dict):
-        return None, info
-    for key, kind in _REQUIRED.items():
-        if not isinstance(record.get(key), kind) or isinstance(record.get(key), bool):
-            return None, info
-    return record, info
+        record = None
+    valid = isinstance(record, dict) and all(
+        isinstance(record.get(key), kind) and not isinstance(record.get(key), bool) for key, kind in _REQUIRED.items()
+    )
+    return (record if valid else None), info
 
 
 def _unchanged(path: str, info: os.stat_result, seconds: float) -> bool:
-    """Whether the file at `path` is still the one `info` describes, unmodified, after watching it for `seconds`.
-
-    A live holder rewrites its lock every HEARTBEAT_S (a new file renamed into place): this tells a lock that is
-    alive from one that is not without trusting the date on it.
-    """
+    """Whether `path` is still the file `info` describes, unmodified, after watching it for `seconds`: a live holder
+    rewrites its lock every HEARTBEAT_S, so this tells a live lock from a dead one without trusting its date."""
     deadline = time.monotonic() + seconds
     while True:
         try:
@@ -154,7 +104,10 @@ def _unchanged(path: str, info: os.stat_result, seconds: float) -> bool:
 
 
 def _filesystem_now(directory: str) -> float:
-    """The folder's filesystem clock: the mtime of a file written there now (set by the file server on NFS)."""
+    """The folder's filesystem clock: the mtime of a file written there now (set by the file server on NFS).
+
+    A lock's age is its mtime (set by the file server when the heartbeat was written) against this, never a
+    machine's own clock, so machines whose clocks disagree agree on the age."""
     path = os.path.join(directory, f"{LOCK_FILE}.tmp-clock-{secrets.token_hex(6)}")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -239,14 +192,18 @@ class JobLock:
     def _temp(self, purpose: str) -> str:
         return f"{self.path}.tmp-{purpose}-{self.owner}"
 
+    def _rewrite(self) -> None:
+        """Replace the lock file by a new record of ours, whole (rename)."""
+        temp = self._temp("write")
+        _write_file(temp, self._record(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.replace(temp, self.path)
+
     # -- taking the lock -----------------------------------------------------------------------------------------
 
     def acquire(self) -> None:
-        """Take the lock, or raise JobLockError naming the job that holds it. OSError: the folder is not writable.
-
-        Whatever a lock file holds (any bytes, any size, absurd pids, dates ahead of every clock), the answer is
-        the lock or one JobLockError naming the file and how to clear it.
-        """
+        """Take the lock, or raise JobLockError naming the job that holds it (OSError: the folder is not writable).
+        Whatever a lock file holds (any bytes, absurd pids, dates ahead of every clock), the answer is the lock or
+        one JobLockError naming the file and how to clear it."""
         stale_s = stale_after_s()
         self._busy_guard = None
         said: set[str] = set()  # each reason to take over is logged once, however many races are lost after it
@@ -299,18 +256,13 @@ class JobLock:
             if not process_alive(holder["pid"], started):
                 return logging.WARNING, f"of a job that is gone ({describe(holder)}: no such process)"
             unsure = "" if started is not None else "; the lock records no start time to tell it from another process"
-            raise JobLockError(
-                f"the snapshot folder {self.directory} is in use by another job ({describe(holder)}, running{unsure}): "
-                f"stop that job first, or give this one another --snapshot-dir; if no job uses that folder, "
-                f"delete {path}"
-            )
+            raise self._in_use(holder, f"running{unsure}", f"if no job uses that folder, delete {path}")
         age = _filesystem_now(self.directory) - info.st_mtime
         if age >= stale_s:
             return logging.WARNING, f"of a job that is gone ({describe(holder)}; no heartbeat for {age:.0f} s)"
-        clear = f"if that job is gone, delete {path}"
         if -age > CLOCK_TOLERANCE_S:
-            # Dated ahead of this folder's clock: its date says nothing about a heartbeat, but a live holder
-            # rewrites the file every HEARTBEAT_S.
+            # Dated ahead of this folder's clock (a client that sets mtimes itself, a copied folder): its date says
+            # nothing about a heartbeat, but a live holder rewrites the file every HEARTBEAT_S.
             log.info(
                 "the job lock %s is dated %.0f s ahead of this folder's clock: watching it for a heartbeat for %.0f s "
                 "(JOB_LOCK_STALE_S)",
@@ -329,15 +281,19 @@ class JobLock:
                 return None
             if now is None or now["owner"] != holder["owner"]:
                 return None
-            raise JobLockError(
-                f"the snapshot folder {self.directory} is in use by another job ({describe(holder)}, heartbeat "
-                f"alive; its machine dates it {-age:.0f} s ahead of this folder's clock): stop that job first, or "
-                f"give this one another --snapshot-dir; {clear}"
-            )
-        raise JobLockError(
-            f"the snapshot folder {self.directory} is in use by another job ({describe(holder)}, last heartbeat "
-            f"{max(age, 0):.0f} s ago): stop that job first, or give this one another --snapshot-dir; if that job is "
-            f"gone, its lock expires {stale_s:.0f} s after its last heartbeat (JOB_LOCK_STALE_S), or delete {path}"
+            ahead = f"heartbeat alive; its machine dates it {-age:.0f} s ahead of this folder's clock"
+            raise self._in_use(holder, ahead, f"if that job is gone, delete {path}")
+        raise self._in_use(
+            holder,
+            f"last heartbeat {max(age, 0):.0f} s ago",
+            f"if that job is gone, its lock expires {stale_s:.0f} s after its last heartbeat (JOB_LOCK_STALE_S), "
+            f"or delete {path}",
+        )
+
+    def _in_use(self, holder: dict, state: str, clear: str) -> JobLockError:
+        return JobLockError(
+            f"the snapshot folder {self.directory} is in use by another job ({describe(holder)}, {state}): stop that "
+            f"job first, or give this one another --snapshot-dir; {clear}"
         )
 
     def _take_over(self, holder: dict | None, stale_s: float) -> bool:
@@ -351,14 +307,9 @@ class JobLock:
                 current, _ = _read(self.path)
             except FileNotFoundError:
                 return False
-            same = (
-                current == holder if holder is None else (current is not None and current["owner"] == holder["owner"])
-            )
-            if not same:
-                return False
-            temp = self._temp("replace")
-            _write_file(temp, self._record(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            os.replace(temp, self.path)
+            if (current or {}).get("owner") != (holder or {}).get("owner"):
+                return False  # not the lock judged dead any more
+            self._rewrite()
             return True
         finally:
             os.remove(guard)
@@ -383,11 +334,8 @@ class JobLock:
                 pass
 
     def _taken(self) -> None:
+        """Hold the lock; remove the temporary files of holders that died writing them (old enough to be nobody's)."""
         self.held, self.lost = True, None
-        self._remove_old_temporaries()
-
-    def _remove_old_temporaries(self) -> None:
-        """Temporary files of lock holders that died while writing them (old enough to be nobody's now)."""
         prefix = f"{LOCK_FILE}.tmp-"
         names = [name for name in os.listdir(self.directory) if name.startswith(prefix) and self.owner not in name]
         if not names:
@@ -421,9 +369,7 @@ class JobLock:
                         f"({describe(holder) if holder else 'its lock is damaged'})"
                     )
                     return
-                temp = self._temp("beat")
-                _write_file(temp, self._record(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                os.replace(temp, self.path)
+                self._rewrite()
                 failing = False
             except FileNotFoundError:
                 self._lose(f"the job lock {self.path} was deleted")

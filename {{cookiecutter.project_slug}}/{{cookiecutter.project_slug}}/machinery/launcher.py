@@ -4,20 +4,11 @@
 
     summary = launch(nproc_per_node=2, args=["--max-steps", "200"], max_restarts=2)
 
-It runs the same thing torchrun runs, through torch's own elastic launcher (`torch.distributed.launcher.api`): an
-agent in the calling process starts `train.py` in N fresh interpreters, restarts all of them from the newest snapshot
-when one dies (up to `max_restarts` times, with the per-attempt store of distributed.py), and stops them on a signal.
-What it adds for a notebook:
-- The ranks' output is shown in the caller's own sys.stdout/sys.stderr (the cell's output) as it comes: rank 0's
-  INFO lines once, the other ranks' warnings and errors tagged with their rank.
-- A failure comes back as one exception whose message is the cause in one line: `RunError` for a setting refused
-  (also checked here before any rank starts), `TrainingFailed` for a rank that failed every attempt.
-- Interrupting the caller (the notebook's stop button, Ctrl-C) stops every rank at the same step with a snapshot,
-  then raises KeyboardInterrupt; launching again resumes.
-- It returns rank 0's run summary (the keys of `<export-dir>/summary.json`) as a dict.
-
-The workers are fresh interpreters, as under torchrun: CUDA initialised in the caller, functions defined in a
-notebook and scripts without an `if __name__ == "__main__":` guard do not matter to them.
+It runs torch's own elastic launcher (`torch.distributed.launcher.api`) in the calling process, as
+`torchrun --standalone` does: fresh interpreters for the ranks, restarts from the newest snapshot. What it adds for a
+notebook (README.md, "From a notebook or a script"): the ranks' output in the caller's sys.stdout and sys.stderr as
+it comes, a failure as one exception naming its cause (`RunError` for a refused setting, also checked here before
+any rank starts; `TrainingFailed`), and KeyboardInterrupt once an interrupt has stopped every rank with a snapshot.
 """
 
 from __future__ import annotations
@@ -87,13 +78,20 @@ def launch(
     script = PROJECT_ROOT / "train.py"
     if not script.is_file():
         raise RunError(f"launch() runs {script}, which does not exist (is the project installed without its files?)")
-    _check_devices(cfg.backend, nproc_per_node)
 
+    import torch
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from .distributed import resolve_backend
+
+    if resolve_backend(cfg.backend) == "nccl" and nproc_per_node > (gpus := torch.cuda.device_count()):
+        raise RunError(
+            f"nproc_per_node={nproc_per_node} with nccl needs {nproc_per_node} GPUs, this machine has {gpus}; "
+            "use fewer ranks, or args=['--backend', 'gloo'] to train on CPU"
+        )
     logs = log_dir or tempfile.mkdtemp(prefix="launch-")
     config = LaunchConfig(  # what `torchrun --standalone` sets up
         min_nodes=1,
@@ -158,27 +156,12 @@ def _parse(argv: list[str]) -> Any:
         raise RunError(message.split(": error: ", 1)[-1]) from None
 
 
-def _check_devices(backend: str, nproc: int) -> None:
-    """nccl puts one rank on one GPU: refuse more ranks than GPUs here, before any rank starts."""
-    import torch
-
-    from .distributed import resolve_backend
-
-    if resolve_backend(backend) == "nccl" and nproc > torch.cuda.device_count():
-        raise RunError(
-            f"nproc_per_node={nproc} with nccl needs {nproc} GPUs, this machine has {torch.cuda.device_count()}; "
-            "use fewer ranks, or args=['--backend', 'gloo'] to train on CPU"
-        )
-
-
 @contextlib.contextmanager
 def _kept_signal_handlers() -> Iterator[None]:
     """The agent installs its own SIGINT/SIGTERM/... handlers; give the caller (a notebook kernel) its own back."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
     handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # the agent's defaults
-    kept = {signum: signal.getsignal(signum) for signum in handled}
+    main = threading.current_thread() is threading.main_thread()  # where handlers can be set
+    kept = {signum: signal.getsignal(signum) for signum in handled} if main else {}
     try:
         yield
     finally:
@@ -197,22 +180,17 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
         yield
     finally:
         for name, before in kept.items():
-            if before is None:
-                os.environ.pop(name, None)
-            else:
+            os.environ.pop(name, None)
+            if before is not None:
                 os.environ[name] = before
 
 
 @contextlib.contextmanager
 def _shown(log_dir: str, job: str) -> Iterator[None]:
-    """Copy every rank's output files, as they grow, to the caller's sys.stdout and sys.stderr, whole lines only.
-
-    Rank 0 logs INFO and up, the other ranks only their warnings and errors (logs.py), so this shows each
-    record once.
-    """
+    """Copy every rank's output files, as they grow, to the caller's sys.stdout and sys.stderr, whole lines only
+    (rank 0 logs INFO and up, the other ranks their warnings and errors: logs.py)."""
     done = threading.Event()
     offsets: dict[Path, int] = {}
-    partial: dict[Path, bytes] = {}
 
     def copy(final: bool = False) -> None:
         for path in sorted(Path(log_dir).glob(f"{job}_*/attempt_*/*/std*.log")):
@@ -222,13 +200,8 @@ def _shown(log_dir: str, job: str) -> Iterator[None]:
                     data = handle.read()
             except OSError:
                 continue
-            offsets[path] = offsets.get(path, 0) + len(data)
-            data = partial.pop(path, b"") + data
-            whole, _, rest = data.rpartition(b"\n")
-            if final:
-                whole, rest = data, b""
-            if rest:
-                partial[path] = rest
+            whole = data if final else data[: data.rfind(b"\n") + 1]  # a line being written: the next time
+            offsets[path] = offsets.get(path, 0) + len(whole)
             if whole:
                 stream = sys.stdout if path.name == "stdout.log" else sys.stderr
                 text = whole.decode("utf-8", errors="replace")
@@ -256,39 +229,32 @@ def _cause(exc: Any) -> tuple[int, int, str]:
     of it record that they were (`peer`), and ranks killed by a signal record nothing. The earliest error of a
     rank's own wins, then a rank killed by a signal, then what a rank stopped by another says.
     """
-    recorded = {rank: _message(f) for rank, f in exc.failures.items() if _recorded(f) == "own"}
-    if recorded:
-        rank = min(recorded, key=lambda r: (exc.failures[r].timestamp, r))
-        return rank, exc.failures[rank].exitcode, recorded[rank]
-    killed = {rank: f for rank, f in exc.failures.items() if f.exitcode < 0}
-    if any(f.exitcode != -signal.SIGTERM for f in killed.values()):  # SIGTERM: how the agent stops the survivors
-        killed = {rank: f for rank, f in killed.items() if f.exitcode != -signal.SIGTERM}
-    if killed:
-        rank = min(killed, key=lambda r: (killed[r].timestamp, r))
-        return rank, killed[rank].exitcode, f"killed by {killed[rank].signal_name()}"
-    stopped = {rank: _message(f) for rank, f in exc.failures.items() if _recorded(f) == "peer"}
-    if stopped:
-        rank = min(stopped, key=lambda r: (exc.failures[r].timestamp, r))
-        return rank, exc.failures[rank].exitcode, stopped[rank]
+    failures = exc.failures
+    recorded = {rank: _recorded(f) for rank, f in failures.items()}  # (whose, first line)
+    killed = [rank for rank, f in failures.items() if f.exitcode < 0]
+    # SIGTERM is how the agent stops the survivors: a rank killed by another signal says more.
+    by_signal = [rank for rank in killed if failures[rank].exitcode != -signal.SIGTERM]
+    for ranks, says in (
+        ([rank for rank in failures if recorded[rank][0] == "own"], lambda rank: recorded[rank][1]),
+        (by_signal or killed, lambda rank: f"killed by {failures[rank].signal_name()}"),
+        ([rank for rank in failures if recorded[rank][0] == "peer"], lambda rank: recorded[rank][1]),
+    ):
+        if ranks:
+            rank = min(ranks, key=lambda r: (failures[r].timestamp, r))
+            return rank, failures[rank].exitcode, says(rank)
     rank, failure = exc.get_first_failure()
     return rank, failure.exitcode, "failed without recording an error (its output above says why)"
 
 
-def _recorded(failure: Any) -> str:
-    """Whose error a failed rank recorded: "own", "peer" (it stopped because of another rank), or "" (none)."""
+def _recorded(failure: Any) -> tuple[str, str]:
+    """Whose error a failed rank recorded ("own"; "peer": it stopped because of another rank; "": none), and the
+    error's first line."""
     if not os.path.isfile(failure.error_file):
-        return ""
-    message = failure.message
+        return "", ""
+    message = failure.message  # record()'s layout: {"message": "Kind: text", "extraInfo": {...}}, or a string
     extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
-    return "peer" if extra.get("peer") else "own"
-
-
-def _message(failure: Any) -> str:
-    message = failure.message
-    if isinstance(message, dict):  # record()'s layout: {"message": "Kind: text", "extraInfo": {...}}
-        message = message.get("message", "")
-    lines = str(message).strip().splitlines()
-    return lines[0] if lines else "failed"
+    lines = str(message.get("message", "") if isinstance(message, dict) else message).strip().splitlines()
+    return "peer" if extra.get("peer") else "own", lines[0] if lines else "failed"
 
 
 def _summary(export_dir: Path, started: float) -> dict[str, Any]:
@@ -297,12 +263,9 @@ def _summary(export_dir: Path, started: float) -> dict[str, Any]:
     candidates = [export_dir / "summary.json", *export_dir.parent.glob(f"{export_dir.name}.*/summary.json")]
     written = []
     for path in candidates:
-        try:
-            mtime = path.stat().st_mtime
-        except OSError:
-            continue
-        if mtime >= started - 1:
-            written.append((mtime, path))
+        with contextlib.suppress(OSError):  # gone meanwhile
+            written.append((path.stat().st_mtime, path))
+    written = [(mtime, path) for mtime, path in written if mtime >= started - 1]
     if not written:
         raise TrainingFailed(f"the run finished but rank 0 wrote no summary to {export_dir}", 0, 0)
     path = max(written)[1]

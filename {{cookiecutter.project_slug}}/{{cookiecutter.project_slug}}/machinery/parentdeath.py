@@ -1,8 +1,4 @@
-"""Workers that do not outlive their torchrun agent.
-
-exit_with_parent() makes a worker die when the process that started it (torchrun's agent) dies, so a SIGKILLed
-agent does not leave workers training and committing snapshots on their own.
-"""
+"""Workers that do not outlive their torchrun agent (exit_with_parent)."""
 
 import ctypes
 import logging
@@ -26,24 +22,16 @@ def set_parent_death_signal() -> bool:
     """Ask Linux to SIGKILL this process when its parent dies; False where that is not available."""
     if not sys.platform.startswith("linux"):
         return False
+    zero = ctypes.c_ulong(0)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        result = libc.prctl(
-            ctypes.c_int(PR_SET_PDEATHSIG),
-            ctypes.c_ulong(signal.SIGKILL),
-            ctypes.c_ulong(0),
-            ctypes.c_ulong(0),
-            ctypes.c_ulong(0),
-        )
+        if libc.prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), zero, zero, zero) == 0:
+            return True
+        reason = os.strerror(ctypes.get_errno())
     except (OSError, AttributeError) as exc:
-        log.debug("prctl is not available (%s): watching the parent process instead", exc)
-        return False
-    if result != 0:
-        log.debug(
-            "prctl(PR_SET_PDEATHSIG) failed (%s): watching the parent process instead", os.strerror(ctypes.get_errno())
-        )
-        return False
-    return True
+        reason = str(exc)
+    log.debug("prctl(PR_SET_PDEATHSIG) is not available (%s): watching the parent process instead", reason)
+    return False
 
 
 def watch_parent(parent: int, interval: float = 1.0) -> threading.Thread:
@@ -65,10 +53,9 @@ def exit_with_parent() -> None:
     """Die (SIGKILL) when the process that started this one dies: under torchrun, the agent.
 
     A worker whose agent was SIGKILLed would otherwise keep training and committing snapshots with nobody to
-    restart, stop or report it, and would hold the snapshot folder's lock. On Linux the kernel delivers the signal
-    (prctl PR_SET_PDEATHSIG); elsewhere a daemon thread checks the parent every second. Call it once, early.
-    Linux sends the signal when the thread that started this process exits: torchrun starts its workers from
-    its main thread, so that is the agent's exit.
+    restart, stop or report it, holding the snapshot folder's lock. Call it once, early. On Linux the kernel sends
+    the signal (PR_SET_PDEATHSIG) when the thread that started this process exits: torchrun starts its workers from
+    its main thread, so that is the agent's exit. Elsewhere a daemon thread checks the parent every second.
     """
     global _watching
     parent = os.getppid()  # before prctl: a parent that dies in between is caught below

@@ -1,10 +1,8 @@
-"""How a rank's process exits: as the interpreter would, without its last garbage collection.
-
-train.py ends through `run_and_exit`; a warm child (warmstart.py) ends through it too, and its stand-in exits with
-the child's code or signal (`exit_as`).
-"""
+"""How a rank's process exits: as the interpreter would, without its last garbage collection (`run_and_exit`, for
+train.py and warm children); a warm child's stand-in exits with the child's code or signal (`exit_as`)."""
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -21,10 +19,8 @@ def debugged() -> bool:
 def exit_as(code: int) -> NoReturn:
     """Exit with `code`, as waitstatus_to_exitcode() gives it (negative: killed by that signal)."""
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # closed, or replaced by None
             stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
     if code < 0:
         signum = -code
         if signum not in (getattr(signal, "SIGKILL", -1), getattr(signal, "SIGSTOP", -1)):
@@ -68,10 +64,8 @@ def exit_code(exc: SystemExit) -> int:
 
 def finish(code: int) -> NoReturn:
     """Exit as the interpreter does: wait for non-daemon threads, run the atexit functions, flush, exit."""
-    try:
+    with contextlib.suppress(Exception):  # exiting regardless
         threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's own step (multiprocessing's too)
-    except Exception:  # noqa: BLE001, S110 - exiting regardless
-        pass
     try:
         atexit._run_exitfuncs()
     finally:

@@ -16,11 +16,10 @@ STOP_RECORD = "stopped.json"  # in the snapshot folder: which torchrun job a sig
 def stopped_by_signal(snapshot_dir: str) -> int:
     """The signal that stopped this torchrun job, when this process is one of torchrun's restarts of it; else 0.
 
-    A SIGTERM or Ctrl-C that reaches only the workers (Kubernetes and srun signal every process) stops them at a
-    step with a snapshot, and they exit with 128 + signal. torchrun takes that for a failure and restarts them;
-    each restart reads the job's stop record and exits at once with the same code, so the job stays stopped
-    (and its exit code says so) instead of training on. A new launch, even with the same --rdzv-id (a requeued
-    SLURM job), is no restart: it clears the record and resumes.
+    A SIGTERM or Ctrl-C that reaches only the workers (Kubernetes and srun signal every process) stops them with a
+    snapshot and exit code 128 + signal, which torchrun takes for a failure: each restart reads the job's stop record
+    and exits at once with the same code, so the job stays stopped. A new launch, even with the same --rdzv-id (a
+    requeued SLURM job), is no restart: it clears the record and resumes.
     """
     if not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0):
         return 0
@@ -34,8 +33,7 @@ def stopped_by_signal(snapshot_dir: str) -> int:
                 record = json.load(handle)
     except (OSError, ValueError):
         return 0
-    stopped_job = record.get("job") if isinstance(record, dict) else None
-    signum = record.get("signal") if isinstance(record, dict) else None
+    stopped_job, signum = (record.get("job"), record.get("signal")) if isinstance(record, dict) else (None, None)
     return signum if stopped_job == identity.current_job() and isinstance(signum, int) and signum > 0 else 0
 
 

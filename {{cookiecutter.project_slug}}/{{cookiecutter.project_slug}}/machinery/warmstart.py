@@ -1,24 +1,9 @@
-"""Warm restarts: a worker that torchrun restarts starts from a process that has torch imported already.
+"""Warm restarts: a worker that torchrun restarts runs in a fork of a process that has imported torch already.
 
-When a worker fails, torchrun stops every worker of the job and starts new ones. Each new interpreter imports torch
-and dynamo again (3-5 s of CPU) before it can rendezvous and load the newest snapshot: the largest part of a
-restart (bench/RECOVERY.md). Here the job's first attempt leaves a *zygote* on each machine: local rank 0 forks it
-right after its imports, before it has set anything up. A restarted worker, still a bare interpreter, hands its
-rank to the zygote at the top of train.py (`handoff`): the zygote forks a child that runs the same script with the
-worker's arguments, environment, folder and standard streams, and the worker stays on as the child's stand-in.
-It passes torchrun's signals on (to the child's process group, as torchrun signals a worker's group) and exits as
-the child exits, with the same code or signal.
-
-The child starts with what a fresh interpreter would have after the same imports: the zygote holds nothing of the
-first attempt's run, and it drops the project's own modules (this package, train.py, anything else imported from
-the project folder), so the child imports those afresh (an edited model.py is read again). torch, numpy and the
-other installed packages it finds imported. Everything that makes a resume exact (snapshot, random streams, thread
-count, data position) is set up afterwards as in any start.
-
-Restarts are cold, as before, where this does not apply: not Linux; WARM_RESTART=0 in the environment; a debugger
-in the worker (F5 starts each worker under debugpy); CUDA initialised before the fork point; --max-restarts 0; the
-zygote gone. The zygote lives as long as torchrun's agent (launch() stops it when its job ends); a child whose
-stand-in dies is SIGKILLed with its process group, and a child whose zygote dies is SIGKILLed by the kernel.
+Local rank 0 of a job's first attempt forks a *zygote* right after its imports (`serve_restarts`). A restarted
+worker hands its rank to it at the top of train.py (`handoff`) and stays on as the child's stand-in: it passes
+torchrun's signals on to the child's process group and exits as the child exits. The zygote drops the project's own
+modules, so each child imports them afresh. When restarts stay cold: docs/fault-tolerance.md, "Warm restarts".
 """
 
 from __future__ import annotations
@@ -35,7 +20,8 @@ import socket
 import struct
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -72,20 +58,13 @@ def _set_name(name: bytes) -> None:
 
 
 def _rewrite_command_line(args: list[str], scrub_environment: bool = False) -> None:
-    """Rewrite what /proc/<pid>/cmdline (ps, pgrep -f) shows, in place, as setproctitle does; optionally make
-    /proc/<pid>/environ name no variable (each entry becomes `_=___`, its length kept).
-
-    The zygote is a copy of local rank 0: without this, a tool that finds a job's ranks by their command line and
-    RANK would take the zygote (or a child of it, whose memory holds the zygote's first environment) for a rank.
-    Nothing is written unless the memory holds what /proc shows.
-    """
+    """Rewrite what /proc/<pid>/cmdline shows (ps, pgrep -f) in place, as setproctitle does; optionally turn each
+    /proc/<pid>/environ entry into `_=___` (its length kept). Else a tool that finds a job's ranks by command line
+    and RANK takes the zygote, or a child of it, for a rank. Writes only where memory holds what /proc shows."""
     fields = identity.proc_stat(os.getpid())
     try:
         arg_start, arg_end, env_start, env_end = (int(fields[i]) for i in range(45, 49)) if fields else (0,) * 4
-        with open("/proc/self/cmdline", "rb") as handle:
-            shown = handle.read()
-        with open("/proc/self/environ", "rb") as handle:
-            environment = handle.read()
+        shown, environment = (Path(f"/proc/self/{name}").read_bytes() for name in ("cmdline", "environ"))
     except (OSError, ValueError, IndexError):
         return
     size = arg_end - arg_start
@@ -100,20 +79,13 @@ def _rewrite_command_line(args: list[str], scrub_environment: bool = False) -> N
         ctypes.memmove(env_start, b"\0".join(scrubbed)[:size], size)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The worker's side: leave a zygote (first attempt), or hand the rank to it (restarts).
-
-
 def serve_restarts() -> None:
-    """In local rank 0 of a torchrun job that may restart: fork this machine's zygote, once per job.
-
-    Call it after the heavy imports and before anything else: the zygote is a copy of this process as it is now.
-    """
+    """In local rank 0 of a torchrun job that may restart, after the heavy imports and before anything else: fork
+    this machine's zygote (a copy of this process as it is now), once per job."""
     if os.environ.get("LOCAL_RANK") != "0" or identity.warm_child() or not identity.torchrun_worker() or not enabled():
         return
-    if not os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0").strip().isdigit():
-        return
-    if int(os.environ["TORCHELASTIC_MAX_RESTARTS"]) == 0 or not _forkable():
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0").strip()
+    if not restarts.isdigit() or int(restarts) == 0 or not _forkable():
         return  # no restarts to serve, or nothing to keep
     importlib.import_module("torch._dynamo")  # this worker imports it next anyway (distributed.init): 1-2 s of CPU
     agent = os.getppid()
@@ -136,11 +108,9 @@ def serve_restarts() -> None:
 
 
 def handoff() -> None:
-    """At the top of train.py: in a torchrun restart, run this rank in a child of the job's zygote.
-
-    Returns at once where there is none (the worker then starts cold); otherwise this process stays the rank's
-    stand-in and exits when the child does, with its exit code or signal. With WARM_START_POOL set, first starts
-    and `python train.py` too run in a child of that standing zygote (serve_pool).
+    """At the top of train.py: in a torchrun restart, run this rank in a child of the job's zygote, and exit as the
+    child exits (this process stays as its stand-in); return at once where there is none (a cold start). With
+    WARM_START_POOL set, first starts and `python train.py` too run in a child of that standing zygote (serve_pool).
     """
     pool = os.environ.get(ENV_POOL, "")
     if identity.warm_child() or not (pool or identity.torchrun_worker()) or not enabled():
@@ -168,13 +138,11 @@ def handoff() -> None:
         message = _frame(request)
         conn.sendall(message[socket.send_fds(conn, [message], [0, 1, 2]) :])
         replies = conn.makefile("rb")
-        reply = json.loads(replies.readline() or b"{}")
+        if "pid" not in json.loads(replies.readline() or b"{}"):
+            raise ValueError("refused")
     except (OSError, ValueError):
         conn.close()
-        return  # no zygote, or it is going away: a cold start
-    if "pid" not in reply:
-        conn.close()
-        return
+        return  # no zygote, a refusal, or a zygote going away: a cold start
     conn.settimeout(None)
     parentdeath.set_parent_death_signal()  # the agent gone: this stand-in dies, and the zygote kills the child
 
@@ -247,16 +215,12 @@ def _frame(request: dict[str, Any]) -> bytes:
     return _LENGTH.pack(len(payload)) + payload
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The zygote.
-
-
 @dataclass
 class _Client:
     conn: socket.socket
     child: int = 0
     pidfd: int = -1
-    buffer: bytes = field(default=b"")
+    buffer: bytes = b""
 
 
 class _Zygote:
@@ -269,8 +233,7 @@ class _Zygote:
         self.selector = selectors.DefaultSelector()
         self.clients: dict[int, _Client] = {}  # by child pid
         self.pidfds = hasattr(os, "pidfd_open")
-        with open("/proc/self/comm", "rb") as handle:
-            self.name = handle.read().strip()  # the interpreter's: the children take it back
+        self.name = Path("/proc/self/comm").read_bytes().strip()  # the interpreter's: the children take it back
         self.python_path = os.environ.get("PYTHONPATH", "")
 
     def run(self) -> None:
@@ -284,29 +247,21 @@ class _Zygote:
         for signum in FORWARDED:  # a scheduler's SIGTERM to every process: stay, so the children can save and exit
             signal.signal(signum, signal.SIG_IGN)
         _forget_project_modules()
-        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        # Each registration's data is its handler; one that returns True stops the zygote.
+        self.selector.register(self.listener, selectors.EVENT_READ, self._accept)
         agent_fd = self._pidfd(self.agent)
         if agent_fd >= 0:
-            self.selector.register(agent_fd, selectors.EVENT_READ, "agent")
+            self.selector.register(agent_fd, selectors.EVENT_READ, lambda: True)
         started = identity.process_start(self.agent)
-        while True:
+        stopping = False
+        while not stopping:
             events = self.selector.select(timeout=None if self.pidfds and agent_fd >= 0 else 0.05)
             if agent_fd < 0 and not identity.process_alive(self.agent, started):
                 break
             if not self.pidfds:
                 self._reap_any()
-            stopping = False
             for key, _ in events:
-                if key.data == "agent":
-                    stopping = True
-                elif key.data == "accept":
-                    stopping |= self._accept()
-                elif key.data[0] == "child":
-                    self._reap(key.data[1])
-                else:
-                    self._read(key.data[1])
-            if stopping:
-                break
+                stopping |= bool(key.data())
         for client in list(self.clients.values()):
             _kill_group(client.child, signal.SIGKILL)
 
@@ -338,17 +293,14 @@ class _Zygote:
                     raise OSError("short request")
                 data += chunk
             request = json.loads(data[_LENGTH.size :])
+            if request.get("quit"):
+                conn.close()
+                return True
+            ours = self.pool or request.get("agent") == self.agent
+            if len(fds) != 3 or request.get("executable") != sys.executable or not ours:
+                _reply(conn, {"refused": "another interpreter or job"})
+                raise OSError("refused")
         except (OSError, ValueError):
-            for fd in fds:
-                os.close(fd)
-            conn.close()
-            return False
-        if request.get("quit"):
-            conn.close()
-            return True
-        ours = self.pool or request.get("agent") == self.agent
-        if len(fds) != 3 or request.get("executable") != sys.executable or not ours:
-            conn.sendall(b'{"refused": "another interpreter or job"}\n')
             for fd in fds:
                 os.close(fd)
             conn.close()
@@ -361,13 +313,10 @@ class _Zygote:
         client = _Client(conn, child, self._pidfd(child))
         self.clients[child] = client
         conn.setblocking(False)
-        try:
-            conn.sendall(json.dumps({"pid": child}).encode() + b"\n")
-        except OSError:
-            pass
-        self.selector.register(conn, selectors.EVENT_READ, ("conn", client))
+        _reply(conn, {"pid": child})
+        self.selector.register(conn, selectors.EVENT_READ, partial(self._read, client))
         if client.pidfd >= 0:
-            self.selector.register(client.pidfd, selectors.EVENT_READ, ("child", client))
+            self.selector.register(client.pidfd, selectors.EVENT_READ, partial(self._reap, client))
         return False
 
     def _read(self, client: _Client) -> None:
@@ -410,11 +359,8 @@ class _Zygote:
             self.selector.unregister(client.pidfd)
             os.close(client.pidfd)
         if client.conn.fileno() >= 0:
-            try:
-                client.conn.setblocking(True)
-                client.conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
-            except OSError:
-                pass
+            client.conn.setblocking(True)
+            _reply(client.conn, {"exit": os.waitstatus_to_exitcode(status)})
             self.selector.unregister(client.conn)
             client.conn.close()
 
@@ -445,8 +391,7 @@ class _Zygote:
             _use_python_path(self.python_path, os.environ.get("PYTHONPATH", ""))
             for signum in FORWARDED:
                 signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
-            argv = list(request["argv"])
-            sys.argv = argv
+            sys.argv = argv = list(request["argv"])
         except BaseException:
             sys.excepthook(*sys.exc_info())
             finish(code)
@@ -456,6 +401,14 @@ class _Zygote:
             sys.path[0] = str(Path(argv[0]).resolve().parent)  # what `python script.py` puts first
             run_and_exit(lambda: runpy.run_path(argv[0], run_name="__main__"))
         finish(0)
+
+
+def _reply(conn: socket.socket, message: dict[str, Any]) -> None:
+    """One line of JSON to a stand-in (handoff); one that is gone already is not waiting for it."""
+    try:
+        conn.sendall(json.dumps(message).encode() + b"\n")
+    except OSError:
+        pass
 
 
 def _kill_group(pid: int, signum: int) -> None:
@@ -478,9 +431,7 @@ def _use_python_path(before: str, now: str) -> None:
 
 def _forget_project_modules() -> None:
     """Drop the modules imported from the project (this package, train.py, tests): each child imports them anew.
-
-    Installed packages (under the interpreter's prefix or a site-packages folder) stay imported.
-    """
+    Installed packages (under the interpreter's prefix or a site-packages folder) stay imported."""
     package = __name__.split(".")[0]
     root = Path(sys.modules[package].__file__ or ".").resolve().parents[1]
     script = Path(sys.argv[0]).resolve().parent if sys.argv and sys.argv[0] else root
@@ -491,9 +442,8 @@ def _forget_project_modules() -> None:
             del sys.modules[name]
         elif path and name != "__main__":
             resolved = Path(path).resolve()
-            if "site-packages" in resolved.parts or "dist-packages" in resolved.parts:
-                continue
-            if any(prefix in resolved.parents for prefix in installed):
-                continue
-            if root in resolved.parents or script in resolved.parents:
+            kept = {"site-packages", "dist-packages"} & set(resolved.parts) or not installed.isdisjoint(
+                resolved.parents
+            )
+            if not kept and (root in resolved.parents or script in resolved.parents):
                 del sys.modules[name]

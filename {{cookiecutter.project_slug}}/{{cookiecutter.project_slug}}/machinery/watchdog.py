@@ -1,14 +1,9 @@
-"""A watch on the training thread: when no step finishes for nearly as long as a collective may wait, every
-thread's Python stack goes to this rank's stack file, so a hung job shows where each rank was.
-
-A rank that stops (SIGSTOP, a stuck filesystem, a deadlock in user code) leaves the others waiting in a
-collective until --dist-timeout runs out; then they fail and torchrun restarts the job (a hang costs about
---dist-timeout plus torchrun's 30 s grace to kill the stopped rank). Shortly before the timeout, each waiting
-rank writes its stacks (faulthandler, every thread) to `stacks-rank<N>.txt` beside the log file and logs a
-warning naming it: their stacks show the collective they wait in; the rank whose file is missing, or whose
-stack shows it elsewhere, is the one that hung.
+"""A watch on the training thread: a rank that hangs leaves the others waiting in a collective until --dist-timeout.
+Shortly before that, each waiting rank writes every thread's stack to `stacks-rank<N>.txt` beside the log file: the
+rank whose file is missing, or whose stack is not in a collective, is the one that hung (docs/troubleshooting.md).
 """
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -53,14 +48,10 @@ class HangWatch:
             f"--- rank {self.rank}, pid {os.getpid()}, {time.strftime('%Y-%m-%d %H:%M:%S')}: no training step "
             f"finished for {idle:.0f} s; the stack of every thread follows ---\n"
         )
-        if self.path:
-            with open(self.path, "a", encoding="utf-8") as handle:
-                handle.write(header)
-                handle.flush()
-                faulthandler.dump_traceback(file=handle, all_threads=True)
-        else:
-            sys.stderr.write(header)
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        with open(self.path, "a", encoding="utf-8") if self.path else contextlib.nullcontext(sys.stderr) as handle:
+            handle.write(header)
+            handle.flush()
+            faulthandler.dump_traceback(file=handle, all_threads=True)
         log.warning(
             "no training step finished for %.0f s (a rank may hang; the job fails at --dist-timeout): the "
             "stacks of this rank's threads are in %s",
