@@ -1,10 +1,5 @@
-"""Where the run is and how long it is: the progress, the run length in samples, and the training data one
-optimizer step at a time, from any point (map-style datasets by index; streams in stream.py).
-
-A batch can be any structure the loader makes (tensors, pairs, dicts, nested lists, tuples and dicts, named
-tuples, dataclasses, mappings such as Hugging Face's BatchEncoding): `to_device` moves every tensor inside it and
-leaves other values alone.
-"""
+"""Where the run is and how long it is (Progress, RunLength), and map-style training data one optimizer step at a
+time, from any point (streams: stream.py). `to_device` moves every tensor inside a batch of any structure."""
 
 import copy
 import dataclasses
@@ -29,17 +24,14 @@ def map_tensors(function: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     values are left as they are. (torch's tree_map does not enter dataclasses or most dict subclasses.)"""
     if isinstance(batch, torch.Tensor):
         return function(batch)
-    if isinstance(batch, Mapping):
-        if isinstance(batch, MutableMapping):
-            moved = copy.copy(batch)  # keeps the type and its attributes; the values are replaced below
-            for key in batch:
-                moved[key] = map_tensors(function, batch[key])
-            return moved
-        return {key: map_tensors(function, value) for key, value in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
-        return type(batch)(*(map_tensors(function, value) for value in batch))
+    if isinstance(batch, Mapping):  # a copy keeps a mutable mapping's type and attributes; its values are replaced
+        moved = copy.copy(batch) if isinstance(batch, MutableMapping) else {}
+        for key in batch:
+            moved[key] = map_tensors(function, batch[key])
+        return moved
     if isinstance(batch, (list, tuple)):
-        return type(batch)(map_tensors(function, value) for value in batch)
+        values = [map_tensors(function, value) for value in batch]
+        return type(batch)(*values) if hasattr(batch, "_fields") else type(batch)(values)  # a named tuple: by position
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         moved = copy.copy(cast(Any, batch))
         for spec in dataclasses.fields(batch):
@@ -131,10 +123,6 @@ class ResumableSampler(DistributedSampler):
         self.start = 0
         self.keyed = keyed  # yield epoch * len(dataset) + index, the keys of `SeededItems`
 
-    def set_position(self, epoch: int, start: int) -> None:
-        self.set_epoch(epoch)
-        self.start = start
-
     def steps(self) -> int:
         """Whole optimizer steps left in this epoch."""
         return (_size(self.dataset) - self.start) // (self.num_replicas * self.samples_per_rank_step)
@@ -190,6 +178,24 @@ class SeededItems(Dataset):
             numpy.random.seed(value % 2**32)
 
 
+def loader(
+    dataset: Dataset, cfg: Any, env: DistEnv, collate: Callable | None, generator: torch.Generator, **more: Any
+) -> DataLoader:
+    """A loader of whole --batch-size batches (`collate` None: torch's default_collate). With a generator of its own:
+    creating its iterator would otherwise draw a seed from the global one, right after a resume restored it, and
+    shift every random number the model draws (dropout) from then on."""
+    return DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        drop_last=True,
+        num_workers=cfg.num_workers,
+        pin_memory=env.device.type == "cuda",
+        collate_fn=collate,
+        generator=generator,
+        **more,
+    )
+
+
 class Batches:
     """The training data one optimizer step at a time: `next(batches)` is the step's list of micro-batches.
 
@@ -203,18 +209,9 @@ class Batches:
         self.global_batch = env.world_size * cfg.batch_size * cfg.grad_accum
         workers = cfg.num_workers > 0  # their items are seeded one by one: see SeededItems
         self.sampler = ResumableSampler(dataset, env, cfg.seed, cfg.batch_size * cfg.grad_accum, keyed=workers)
-        self.generator = torch.Generator()  # explicit, so starting an epoch never draws from the global RNG
-        self.loader = DataLoader(
-            SeededItems(dataset, cfg.seed) if workers else dataset,
-            batch_size=cfg.batch_size,
-            sampler=self.sampler,
-            drop_last=True,
-            num_workers=cfg.num_workers,
-            pin_memory=env.device.type == "cuda",
-            persistent_workers=cfg.num_workers > 0,
-            generator=self.generator,
-            collate_fn=collate,  # None: torch's default_collate
-        )
+        self.generator = torch.Generator()
+        items = SeededItems(dataset, cfg.seed) if workers else dataset
+        self.loader = loader(items, cfg, env, collate, self.generator, sampler=self.sampler, persistent_workers=workers)
         self._iterator: Iterator[Any] = iter(())  # replaced by the first step's epoch start
         self._steps_left = 0
         self._last: list = []
@@ -250,7 +247,8 @@ class Batches:
         if progress.samples_in_epoch + self.global_batch > _size(self.sampler.dataset):  # no whole step left
             progress.epoch += 1
             progress.samples_in_epoch = 0
-        self.sampler.set_position(progress.epoch, progress.samples_in_epoch)
+        self.sampler.set_epoch(progress.epoch)
+        self.sampler.start = progress.samples_in_epoch
         self.generator.manual_seed(self.cfg.seed * 1_000_003 + progress.epoch * 7_919 + self.env.rank)
         self._iterator, self._steps_left = iter(self.loader), self.sampler.steps()
 
