@@ -1,12 +1,6 @@
-"""Evaluation: val_loss and val_<name> over every validation sample, each counted once across the ranks.
-
-Each rank takes every world_size-th sample (no padding, no sampler), adds up the loss and the other sums of the
-user's step (hooks.UserCode.step), and one all_reduce adds up sums and counts: the result equals one process
-evaluating the whole set. The loss is a sum over a count (samples for a mean-returning step, or what compute_loss
-counts, e.g. tokens), so val_loss is the total sum over the total count. The model runs in eval mode (BatchNorm uses
-its running statistics, dropout is off) with rank 0's buffers on every rank, and the random streams are put back
-afterwards, so evaluating changes nothing a bitwise resume depends on.
-"""
+"""Evaluation: val_loss and val_<name> over every validation sample, each counted once across the ranks, the value
+one process computes on the same weights. It runs in eval mode with rank 0's buffers on every rank, and puts the
+random streams back afterwards, so evaluating changes nothing a bitwise resume depends on."""
 
 from __future__ import annotations
 
@@ -79,8 +73,10 @@ class Validator:
 def evaluate(
     val_data: Any, parallel: DistributedModel, user: UserCode, cfg: Any, env: DistEnv, beat: Callable[[], None]
 ) -> tuple[dict[str, float], int]:
-    """val_loss and val_<name> over every validation sample, each counted once across the ranks, and the number of
-    samples; ({}, 0) without validation data. `beat` marks progress after each batch (watchdog.py)."""
+    """val_loss and val_<name>, and the number of samples; ({}, 0) without validation data. Each rank takes every
+    world_size-th sample and adds up the sums of the user's step; one all_reduce adds up sums and counts, and each
+    result is a total sum over the total count (samples, or what compute_loss counts, e.g. tokens). `beat` marks
+    progress after each batch (watchdog.py)."""
     size = len(val_data) if val_data is not None else 0
     if size == 0:
         return {}, 0
