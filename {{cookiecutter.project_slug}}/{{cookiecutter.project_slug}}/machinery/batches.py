@@ -5,8 +5,6 @@ import copy
 import dataclasses
 import hashlib
 import math
-import random
-import sys
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sized
 from dataclasses import dataclass
 from typing import Any, cast
@@ -16,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker
 
 from .distributed import DistEnv
 from .settings import RunError, flag
+from .snapshot.rng import seed_cpu_rng
 
 
 def map_tensors(function: Callable[[torch.Tensor], Any], batch: Any) -> Any:
@@ -69,12 +68,9 @@ class Progress:
 
 
 class RunLength:
-    """How long the run is, in samples, so that it means the same amount of data at any world size.
-
-    `--max-steps N` (or `--epochs E`) counts optimizer steps of the size they had when the run started
-    (`step_samples`): a job resumed on more or fewer ranks trains the samples left, in steps of its own size.
-    The learning-rate schedule is a function of the samples seen, so it is the same curve at any world size.
-    """
+    """How long the run is, in samples: --max-steps (or --epochs) counts steps of the size they had when the run
+    started, so a job resumed on more or fewer ranks trains the samples left, in steps of its own size, and the
+    learning-rate schedule, a function of the samples seen, is the same curve at any world size."""
 
     def __init__(self, cfg: Any, step_samples: int, train_size: int | None):
         if train_size is None and not cfg.max_steps:  # a stream: no epochs to count in
@@ -109,13 +105,9 @@ class RunLength:
 
 
 class ResumableSampler(DistributedSampler):
-    """A DistributedSampler that can start mid-epoch and yields whole optimizer steps only.
-
-    An epoch's order is one permutation of the dataset (seeded with seed + epoch, as DistributedSampler does),
-    and rank r takes every world_size-th index of it. After k optimizer steps the job has consumed exactly the
-    first k * global_batch indices of that permutation, whatever the number of ranks, so a resumed job skips
-    them at the index level, without loading them, and continues with the rest.
-    """
+    """A DistributedSampler that starts mid-epoch (at `start`) and yields whole optimizer steps only. An epoch is one
+    permutation (seeded with seed + epoch) of which rank r takes every world_size-th index: after k steps the job has
+    consumed its first k * global_batch indices at any world size, so a resume skips them without loading them."""
 
     def __init__(self, dataset: Dataset, env: DistEnv, seed: int, samples_per_rank_step: int, keyed: bool = False):
         super().__init__(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed, drop_last=True)
@@ -140,13 +132,10 @@ class ResumableSampler(DistributedSampler):
 
 
 class SeededItems(Dataset):
-    """A map-style dataset as DataLoader workers read it: each item is drawn with random streams seeded from the
-    run's seed, the epoch and the item's index (torch's, Python's and NumPy's), so a random augmentation gives an
-    item the same draws whichever worker reads it and whenever. A worker's own streams would move on with every
-    item it reads (and persist across epochs): a resume, which skips the items already trained, would draw others.
-
-    It is read by keys, epoch * len(dataset) + index (ResumableSampler with keyed=True). A dataset that reads a
-    batch at once (`__getitems__`, e.g. Hugging Face's) is seeded once per batch, from its first key."""
+    """A map-style dataset as DataLoader workers read it, by keys epoch * len(dataset) + index: each item is read
+    with random streams seeded from the run's seed, the epoch and its index, so a random augmentation draws the same
+    whichever worker reads it, also after a resume that skipped the items before it (a worker's own streams would
+    move on with every item). A dataset with `__getitems__` (Hugging Face's) is seeded once per batch."""
 
     def __init__(self, dataset: Dataset, seed: int):
         self.dataset, self.seed, self.size = dataset, seed, _size(dataset)
@@ -155,27 +144,22 @@ class SeededItems(Dataset):
         return self.size
 
     def __getitem__(self, key: int) -> Any:
-        epoch, index = divmod(key, self.size)
-        self._seed(epoch, index)
-        return self.dataset[index]
+        self._seed(key)
+        return self.dataset[key % self.size]
 
     def __getitems__(self, keys: list[int]) -> list:
         read_batch = getattr(self.dataset, "__getitems__", None)
         if not read_batch:
             return [self[key] for key in keys]
-        self._seed(*divmod(keys[0], self.size))
+        self._seed(keys[0])
         return read_batch([key % self.size for key in keys])
 
-    def _seed(self, epoch: int, index: int) -> None:
+    def _seed(self, key: int) -> None:
         if get_worker_info() is None:  # not in a worker: the process's own streams, saved in every snapshot
             return
+        epoch, index = divmod(key, self.size)
         digest = hashlib.blake2b(f"{self.seed}/{epoch}/{index}".encode(), digest_size=8).digest()
-        value = int.from_bytes(digest, "little") >> 1
-        torch.default_generator.manual_seed(value)
-        random.seed(value)
-        numpy = sys.modules.get("numpy")
-        if numpy is not None:
-            numpy.random.seed(value % 2**32)
+        seed_cpu_rng(int.from_bytes(digest, "little") >> 1)
 
 
 def loader(
@@ -197,12 +181,8 @@ def loader(
 
 
 class Batches:
-    """The training data one optimizer step at a time: `next(batches)` is the step's list of micro-batches.
-
-    It owns the data position in `progress` (epoch, samples consumed): it skips what a resumed run has already
-    seen, re-seeds the sampler and the loader at each epoch, and rolls over to the next epoch when fewer
-    samples than one step are left.
-    """
+    """The training data one optimizer step at a time: `next(batches)` is the step's list of micro-batches. It owns
+    the data position in `progress`, and starts the next epoch when fewer samples than one step are left."""
 
     def __init__(self, dataset: Dataset, cfg: Any, env: DistEnv, progress: Progress, collate: Callable | None):
         self.cfg, self.env, self.progress = cfg, env, progress
