@@ -68,11 +68,9 @@ class RankShare(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        for index, item in enumerate(self.dataset):
-            if (index - self.rank) % self.world_size:
-                continue  # another rank's
-            position = (index - self.rank) // self.world_size - self.skip  # among this rank's items still to train
-            if position >= 0 and (position // self.batch_size) % workers == worker:
+        mine = itertools.islice(self.dataset, self.rank, None, self.world_size)
+        for position, item in enumerate(itertools.islice(mine, self.skip, None)):  # among the items still to train
+            if (position // self.batch_size) % workers == worker:
                 yield item
 
 
