@@ -125,11 +125,8 @@ def misfit(groups: list[tuple[list[str], torch.Tensor]], shapes: dict[str, tuple
         for name in names
         if name in shapes and shapes[name] != tuple(tensor.shape)
     ]
-    parts = [
-        f"{kind} {_listed(names)}"
-        for kind, names in (("missing", missing), ("unexpected", unexpected), ("of another shape", misshaped))
-        if names
-    ]
+    kinds = {"missing": missing, "unexpected": unexpected, "of another shape": misshaped}
+    parts = [f"{kind} {_listed(names)}" for kind, names in kinds.items() if names]
     if not parts:
         return None
     return (
@@ -152,10 +149,9 @@ def load(model: nn.Module, path: str, env: DistEnv) -> None:
     def open_checked() -> None:
         try:
             opened.append(WeightsFile(path))
-        except WeightsError as exc:
-            raise RunError(f"pretrained_weights in model.py: {exc}") from exc
-        except Exception as exc:  # a file that is not what its name says: safetensors', torch's or json's error
-            raise RunError(f"pretrained_weights in model.py: cannot read {path}: {type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # ours, or a file that is not what its name says: safetensors', torch's or json's
+            detail = str(exc) if isinstance(exc, WeightsError) else f"cannot read {path}: {type(exc).__name__}: {exc}"
+            raise RunError(f"pretrained_weights in model.py: {detail}") from exc
         problem = misfit(groups, opened[0].shapes, path)
         if problem:
             raise RunError(problem)
@@ -279,7 +275,5 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
 def source(user: UserCode, cfg: Any) -> str | None:
     """Where pretrained_weights in model.py says the starting weights are; None without it, or when it says None."""
-    if user.pretrained_weights is None:
-        return None
-    where = user.pretrained_weights(cfg)
+    where = None if user.pretrained_weights is None else user.pretrained_weights(cfg)
     return None if where is None else str(where)
