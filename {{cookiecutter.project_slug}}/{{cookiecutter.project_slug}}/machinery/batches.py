@@ -1,17 +1,10 @@
-"""Where the run is and how long it is: the progress, the run length in samples, and the training data one
-optimizer step at a time, from any point (map-style datasets by index; streams in stream.py).
-
-A batch can be any structure the loader makes (tensors, pairs, dicts, nested lists, tuples and dicts, named
-tuples, dataclasses, mappings such as Hugging Face's BatchEncoding): `to_device` moves every tensor inside it and
-leaves other values alone.
-"""
+"""Where the run is and how long it is (Progress, RunLength), and map-style training data one optimizer step at a
+time, from any point (streams: stream.py). `to_device` moves every tensor inside a batch of any structure."""
 
 import copy
 import dataclasses
 import hashlib
 import math
-import random
-import sys
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sized
 from dataclasses import dataclass
 from typing import Any, cast
@@ -21,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker
 
 from .distributed import DistEnv
 from .settings import RunError, flag
+from .snapshot.rng import seed_cpu_rng
 
 
 def map_tensors(function: Callable[[torch.Tensor], Any], batch: Any) -> Any:
@@ -29,17 +23,14 @@ def map_tensors(function: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     values are left as they are. (torch's tree_map does not enter dataclasses or most dict subclasses.)"""
     if isinstance(batch, torch.Tensor):
         return function(batch)
-    if isinstance(batch, Mapping):
-        if isinstance(batch, MutableMapping):
-            moved = copy.copy(batch)  # keeps the type and its attributes; the values are replaced below
-            for key in batch:
-                moved[key] = map_tensors(function, batch[key])
-            return moved
-        return {key: map_tensors(function, value) for key, value in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
-        return type(batch)(*(map_tensors(function, value) for value in batch))
+    if isinstance(batch, Mapping):  # a copy keeps a mutable mapping's type and attributes; its values are replaced
+        moved = copy.copy(batch) if isinstance(batch, MutableMapping) else {}
+        for key in batch:
+            moved[key] = map_tensors(function, batch[key])
+        return moved
     if isinstance(batch, (list, tuple)):
-        return type(batch)(map_tensors(function, value) for value in batch)
+        values = [map_tensors(function, value) for value in batch]
+        return type(batch)(*values) if hasattr(batch, "_fields") else type(batch)(values)  # a named tuple: by position
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         moved = copy.copy(cast(Any, batch))
         for spec in dataclasses.fields(batch):
@@ -77,12 +68,9 @@ class Progress:
 
 
 class RunLength:
-    """How long the run is, in samples, so that it means the same amount of data at any world size.
-
-    `--max-steps N` (or `--epochs E`) counts optimizer steps of the size they had when the run started
-    (`step_samples`): a job resumed on more or fewer ranks trains the samples left, in steps of its own size.
-    The learning-rate schedule is a function of the samples seen, so it is the same curve at any world size.
-    """
+    """How long the run is, in samples: --max-steps (or --epochs) counts steps of the size they had when the run
+    started, so a job resumed on more or fewer ranks trains the samples left, in steps of its own size, and the
+    learning-rate schedule, a function of the samples seen, is the same curve at any world size."""
 
     def __init__(self, cfg: Any, step_samples: int, train_size: int | None):
         if train_size is None and not cfg.max_steps:  # a stream: no epochs to count in
@@ -117,23 +105,15 @@ class RunLength:
 
 
 class ResumableSampler(DistributedSampler):
-    """A DistributedSampler that can start mid-epoch and yields whole optimizer steps only.
-
-    An epoch's order is one permutation of the dataset (seeded with seed + epoch, as DistributedSampler does),
-    and rank r takes every world_size-th index of it. After k optimizer steps the job has consumed exactly the
-    first k * global_batch indices of that permutation, whatever the number of ranks, so a resumed job skips
-    them at the index level, without loading them, and continues with the rest.
-    """
+    """A DistributedSampler that starts mid-epoch (at `start`) and yields whole optimizer steps only. An epoch is one
+    permutation (seeded with seed + epoch) of which rank r takes every world_size-th index: after k steps the job has
+    consumed its first k * global_batch indices at any world size, so a resume skips them without loading them."""
 
     def __init__(self, dataset: Dataset, env: DistEnv, seed: int, samples_per_rank_step: int, keyed: bool = False):
         super().__init__(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed, drop_last=True)
         self.samples_per_rank_step = samples_per_rank_step
         self.start = 0
         self.keyed = keyed  # yield epoch * len(dataset) + index, the keys of `SeededItems`
-
-    def set_position(self, epoch: int, start: int) -> None:
-        self.set_epoch(epoch)
-        self.start = start
 
     def steps(self) -> int:
         """Whole optimizer steps left in this epoch."""
@@ -152,13 +132,10 @@ class ResumableSampler(DistributedSampler):
 
 
 class SeededItems(Dataset):
-    """A map-style dataset as DataLoader workers read it: each item is drawn with random streams seeded from the
-    run's seed, the epoch and the item's index (torch's, Python's and NumPy's), so a random augmentation gives an
-    item the same draws whichever worker reads it and whenever. A worker's own streams would move on with every
-    item it reads (and persist across epochs): a resume, which skips the items already trained, would draw others.
-
-    It is read by keys, epoch * len(dataset) + index (ResumableSampler with keyed=True). A dataset that reads a
-    batch at once (`__getitems__`, e.g. Hugging Face's) is seeded once per batch, from its first key."""
+    """A map-style dataset as DataLoader workers read it, by keys epoch * len(dataset) + index: each item is read
+    with random streams seeded from the run's seed, the epoch and its index, so a random augmentation draws the same
+    whichever worker reads it, also after a resume that skipped the items before it (a worker's own streams would
+    move on with every item). A dataset with `__getitems__` (Hugging Face's) is seeded once per batch."""
 
     def __init__(self, dataset: Dataset, seed: int):
         self.dataset, self.seed, self.size = dataset, seed, _size(dataset)
@@ -167,54 +144,54 @@ class SeededItems(Dataset):
         return self.size
 
     def __getitem__(self, key: int) -> Any:
-        epoch, index = divmod(key, self.size)
-        self._seed(epoch, index)
-        return self.dataset[index]
+        self._seed(key)
+        return self.dataset[key % self.size]
 
     def __getitems__(self, keys: list[int]) -> list:
         read_batch = getattr(self.dataset, "__getitems__", None)
         if not read_batch:
             return [self[key] for key in keys]
-        self._seed(*divmod(keys[0], self.size))
+        self._seed(keys[0])
         return read_batch([key % self.size for key in keys])
 
-    def _seed(self, epoch: int, index: int) -> None:
+    def _seed(self, key: int) -> None:
         if get_worker_info() is None:  # not in a worker: the process's own streams, saved in every snapshot
             return
+        epoch, index = divmod(key, self.size)
         digest = hashlib.blake2b(f"{self.seed}/{epoch}/{index}".encode(), digest_size=8).digest()
-        value = int.from_bytes(digest, "little") >> 1
-        torch.default_generator.manual_seed(value)
-        random.seed(value)
-        numpy = sys.modules.get("numpy")
-        if numpy is not None:
-            numpy.random.seed(value % 2**32)
+        seed_cpu_rng(int.from_bytes(digest, "little") >> 1)
+
+
+def loader(
+    dataset: Dataset, cfg: Any, env: DistEnv, collate: Callable | None, generator: torch.Generator, **more: Any
+) -> DataLoader:
+    """A loader of whole --batch-size batches (`collate` None: torch's default_collate). With a generator of its own:
+    creating its iterator would otherwise draw a seed from the global one, right after a resume restored it, and
+    shift every random number the model draws (dropout) from then on."""
+    return DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        drop_last=True,
+        num_workers=cfg.num_workers,
+        pin_memory=env.device.type == "cuda",
+        collate_fn=collate,
+        generator=generator,
+        **more,
+    )
 
 
 class Batches:
-    """The training data one optimizer step at a time: `next(batches)` is the step's list of micro-batches.
-
-    It owns the data position in `progress` (epoch, samples consumed): it skips what a resumed run has already
-    seen, re-seeds the sampler and the loader at each epoch, and rolls over to the next epoch when fewer
-    samples than one step are left.
-    """
+    """The training data one optimizer step at a time: `next(batches)` is the step's list of micro-batches. It owns
+    the data position in `progress`, and starts the next epoch when fewer samples than one step are left."""
 
     def __init__(self, dataset: Dataset, cfg: Any, env: DistEnv, progress: Progress, collate: Callable | None):
         self.cfg, self.env, self.progress = cfg, env, progress
         self.global_batch = env.world_size * cfg.batch_size * cfg.grad_accum
         workers = cfg.num_workers > 0  # their items are seeded one by one: see SeededItems
         self.sampler = ResumableSampler(dataset, env, cfg.seed, cfg.batch_size * cfg.grad_accum, keyed=workers)
-        self.generator = torch.Generator()  # explicit, so starting an epoch never draws from the global RNG
-        self.loader = DataLoader(
-            SeededItems(dataset, cfg.seed) if workers else dataset,
-            batch_size=cfg.batch_size,
-            sampler=self.sampler,
-            drop_last=True,
-            num_workers=cfg.num_workers,
-            pin_memory=env.device.type == "cuda",
-            persistent_workers=cfg.num_workers > 0,
-            generator=self.generator,
-            collate_fn=collate,  # None: torch's default_collate
-        )
+        self.generator = torch.Generator()
+        items = SeededItems(dataset, cfg.seed) if workers else dataset
+        self.loader = loader(items, cfg, env, collate, self.generator, sampler=self.sampler, persistent_workers=workers)
         self._iterator: Iterator[Any] = iter(())  # replaced by the first step's epoch start
         self._steps_left = 0
         self._last: list = []
@@ -250,7 +227,8 @@ class Batches:
         if progress.samples_in_epoch + self.global_batch > _size(self.sampler.dataset):  # no whole step left
             progress.epoch += 1
             progress.samples_in_epoch = 0
-        self.sampler.set_position(progress.epoch, progress.samples_in_epoch)
+        self.sampler.set_epoch(progress.epoch)
+        self.sampler.start = progress.samples_in_epoch
         self.generator.manual_seed(self.cfg.seed * 1_000_003 + progress.epoch * 7_919 + self.env.rank)
         self._iterator, self._steps_left = iter(self.loader), self.sampler.steps()
 

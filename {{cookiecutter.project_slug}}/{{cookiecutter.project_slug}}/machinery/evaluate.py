@@ -1,12 +1,6 @@
-"""Evaluation: val_loss and val_<name> over every validation sample, each counted once across the ranks.
-
-Each rank takes every world_size-th sample (no padding, no sampler), adds up the loss and the other sums of the
-user's step (hooks.UserCode.step), and one all_reduce adds up sums and counts: the result equals one process
-evaluating the whole set. The loss is a sum over a count (samples for a mean-returning step, or what compute_loss
-counts, e.g. tokens), so val_loss is the total sum over the total count. The model runs in eval mode (BatchNorm uses
-its running statistics, dropout is off) with rank 0's buffers on every rank, and the random streams are put back
-afterwards, so evaluating changes nothing a bitwise resume depends on.
-"""
+"""Evaluation: val_loss and val_<name> over every validation sample, each counted once across the ranks, the value
+one process computes on the same weights. It runs in eval mode with rank 0's buffers on every rank, and puts the
+random streams back afterwards, so evaluating changes nothing a bitwise resume depends on."""
 
 from __future__ import annotations
 
@@ -14,6 +8,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,43 +28,32 @@ log = logging.getLogger(__name__)
 COUNT = " count"  # the sums' count, kept beside them under a name no val_metrics key can take
 
 
+@dataclass(eq=False)
 class Validator:
     """Evaluation at every --eval-every step and the last: its results go to the metrics (and val_loss to the
     progress, for the summary); the best val_loss so far exports its weights as best.pt."""
 
-    def __init__(
-        self,
-        val_data: Any,
-        parallel: DistributedModel,
-        user: UserCode,
-        cfg: Any,
-        env: DistEnv,
-        metrics: MetricsLog,
-        exports: ExportFolder,
-        beat: Callable[[], None],
-    ):
-        self.val_data, self.parallel, self.user, self.cfg, self.env = val_data, parallel, user, cfg, env
-        self.metrics, self.exports, self.beat = metrics, exports, beat  # `beat`: marks progress (watchdog.py)
+    val_data: Any
+    parallel: DistributedModel
+    user: UserCode
+    cfg: Any
+    env: DistEnv
+    metrics: MetricsLog
+    exports: ExportFolder
+    beat: Callable[[], None]  # marks progress (watchdog.py)
 
     def maybe_evaluate(self) -> None:
-        if self.metrics.length.due(self.metrics.progress.step, self.cfg.eval_every):
-            self.evaluate()
-
-    def evaluate(self) -> None:
-        """Evaluate, log, record; export best.pt at a new best val_loss. Nothing without validation data."""
+        """When due: evaluate, log, record; export best.pt at a new best val_loss. Nothing without validation data."""
+        if not self.metrics.length.due(self.metrics.progress.step, self.cfg.eval_every):
+            return
         started = time.perf_counter()
         results, count = evaluate(self.val_data, self.parallel, self.user, self.cfg, self.env, self.beat)
         if not results:
             return
         progress, seconds = self.metrics.progress, time.perf_counter() - started
         progress.val_loss = results["val_loss"]
-        log.info(
-            "eval at step %d: %s (%d samples, %.1f s)",
-            progress.step,
-            "  ".join(f"{k} {v:.4f}" for k, v in results.items()),
-            count,
-            seconds,
-        )
+        shown = "  ".join(f"{name} {value:.4f}" for name, value in results.items())
+        log.info("eval at step %d: %s (%d samples, %.1f s)", progress.step, shown, count, seconds)
         self.metrics.add(results, seconds)
         if progress.val_loss < progress.best_val_loss:
             progress.best_val_loss, progress.best_step = progress.val_loss, progress.step
@@ -79,8 +63,10 @@ class Validator:
 def evaluate(
     val_data: Any, parallel: DistributedModel, user: UserCode, cfg: Any, env: DistEnv, beat: Callable[[], None]
 ) -> tuple[dict[str, float], int]:
-    """val_loss and val_<name> over every validation sample, each counted once across the ranks, and the number of
-    samples; ({}, 0) without validation data. `beat` marks progress after each batch (watchdog.py)."""
+    """val_loss and val_<name>, and the number of samples; ({}, 0) without validation data. Each rank takes every
+    world_size-th sample and adds up the sums of the user's step; one all_reduce adds up sums and counts, and each
+    result is a total sum over the total count (samples, or what compute_loss counts, e.g. tokens). `beat` marks
+    progress after each batch (watchdog.py)."""
     size = len(val_data) if val_data is not None else 0
     if size == 0:
         return {}, 0
@@ -101,8 +87,7 @@ def evaluate(
         for batch in loader:
             result = user.step(model, to_device(batch, env.device))
             for name, value in {COUNT: result.count, "loss": result.loss_sum(), **result.sums}.items():
-                value = torch.as_tensor(value, dtype=torch.float64, device=env.device).detach()
-                sums[name] = sums[name] + value if name in sums else value
+                sums[name] = sums.get(name, 0) + torch.as_tensor(value, dtype=torch.float64, device=env.device).detach()
             beat()
         if parallel.sharded:  # each forward gathers parameters from every rank, so every rank runs as many
             most = math.ceil(math.ceil(size / env.world_size) / cfg.batch_size)

@@ -1,15 +1,6 @@
-"""Frozen parameters (requires_grad=False: a peft LoRA model's base, a frozen encoder) are written once, not in
-every snapshot: a snapshot's size follows the state that changes.
-
-The first snapshot of a run holds the whole model; the next ones hold the model without its frozen parameters and
-name, in their manifest's "frozen_in", the step whose snapshot holds them. Loading a snapshot (a resume,
-`load_latest`) takes the missing parameters from there, so it gives the full model exactly; pruning keeps a
-snapshot as long as a kept one refers to it (snapshot/folder.py).
-
-Before each save the frozen parameters are checked against a checksum taken when they were last written (or
-loaded): one that changed anyway (a hook that writes to it, an in-place edit) is named in one warning, and that
-snapshot holds the whole model again, so a resume still continues from exactly what trained.
-"""
+"""Frozen parameters (requires_grad=False: a peft LoRA model's base) are written once per run, not in every snapshot:
+later snapshots name the step whose snapshot holds them ("frozen_in" in their manifest). Before each save a checksum
+finds one that changed anyway; that snapshot then holds the whole model again (docs/fault-tolerance.md)."""
 
 from __future__ import annotations
 
@@ -56,6 +47,7 @@ class FrozenWeights:
     def __init__(self, model: nn.Module, env: DistEnv, sharded: bool):
         self.model, self.env, self.sharded = model, env, sharded
         self.names = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        self._ordered = sorted(self.names)  # the order of the checksums
         self.held_in: int | None = None  # the step whose snapshot holds them as they are now
         self._checksums: torch.Tensor | None = None
 
@@ -80,15 +72,12 @@ class FrozenWeights:
         if self.names and (self.sharded or self.env.is_main):
             self.held_in, self._checksums = held_in, self._checksum_all()
 
-    def _ordered(self) -> list[str]:
-        return sorted(self.names)
-
     def _checksum_all(self) -> torch.Tensor:
         state = dict(self.model.named_parameters(remove_duplicate=False))
-        return torch.stack([checksum(state[name]) for name in self._ordered()])
+        return torch.stack([checksum(state[name]) for name in self._ordered])
 
     def _say_changed(self, changed: list[int], step: int) -> None:
-        names = [self._ordered()[index] for index in changed]
+        names = [self._ordered[index] for index in changed]
         if self.sharded:  # each rank sees its own shards change
             names = sorted({name for found in distributed.all_gather_object(self.env, names) for name in found})
         if self.env.is_main:

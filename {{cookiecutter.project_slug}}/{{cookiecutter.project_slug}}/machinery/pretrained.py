@@ -1,24 +1,7 @@
-"""Starting weights: model.py's `pretrained_weights(cfg)` names where they are; a run with no snapshot starts from
-them, a resume from its snapshot (the weights are not read again).
-
-Where: a `.safetensors` file, a Hugging Face model folder (`model.safetensors`, or shards listed in
-`model.safetensors.index.json`), or a `.pt`/`.pth` state dict (`torch.save(model.state_dict(), path)`). Their names
-are the model's own `state_dict()` keys; a tied parameter (GPT-2's `lm_head.weight`, which is
-`transformer.wte.weight`) is there under one of its names or both, as `save_pretrained` writes it. A name missing,
-unexpected or of another shape stops the run at start-up in one line naming them.
-
-How (at most once per machine, no rank ever holding a second copy of the model):
-- Rank 0 alone reads the file, in blocks of rows of at most BLOCK_BYTES (the file opened, read and closed for each,
-  so its pages do not stay mapped), and broadcasts it: under ddp each tensor is filled on rank 0, block by block,
-  and then sent straight into every rank's parameter, in place.
-- Under --strategy fsdp, build_model runs with its parameters created on the meta device (no memory; buffers, e.g.
-  rotary tables, are made as usual), the model is sharded, its shards allocated (`to_empty`) and the buffers put
-  back; each block of a tensor then goes from rank 0 to every rank, which keeps the rows of its own shard (fsdp
-  shards by rows, as torch.chunk cuts them). A rank holds its shards plus one block in flight (a tensor sharded
-  otherwise: plus the whole tensor). A model that cannot be built that way (its build reads parameter values) is
-  built as usual, with a warning: each rank then holds the whole model once, before it is sharded.
-Tied parameters stay one tensor (copied in place, or kept tied by fully_shard through to_empty).
-"""
+"""Starting weights: model.py's `pretrained_weights(cfg)` names a .safetensors file, a Hugging Face folder or a
+.pt/.pth state dict, keyed by the model's own state_dict() names; a run with no snapshot starts from them. Rank 0
+alone reads them, in blocks of rows, and broadcasts each; under fsdp the model is built with its parameters on the
+meta device and each rank keeps the rows of its own shard, so no rank ever holds a second copy of the model."""
 
 from __future__ import annotations
 
@@ -122,7 +105,8 @@ def _safe_open(file: Path) -> Any:
 
 
 def tied_groups(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
-    """The tensors of the model's state_dict, each once, with every name it has (tied parameters have several)."""
+    """The tensors of the model's state_dict, each once, with every name it has (tied parameters have several: they
+    stay one tensor, filled in place, or kept tied by fully_shard through to_empty)."""
     groups: dict[int, tuple[list[str], torch.Tensor]] = {}
     for name, value in model.state_dict(keep_vars=True).items():
         if isinstance(value, torch.Tensor):
@@ -141,11 +125,8 @@ def misfit(groups: list[tuple[list[str], torch.Tensor]], shapes: dict[str, tuple
         for name in names
         if name in shapes and shapes[name] != tuple(tensor.shape)
     ]
-    parts = [
-        f"{kind} {_listed(names)}"
-        for kind, names in (("missing", missing), ("unexpected", unexpected), ("of another shape", misshaped))
-        if names
-    ]
+    kinds = {"missing": missing, "unexpected": unexpected, "of another shape": misshaped}
+    parts = [f"{kind} {_listed(names)}" for kind, names in kinds.items() if names]
     if not parts:
         return None
     return (
@@ -168,17 +149,16 @@ def load(model: nn.Module, path: str, env: DistEnv) -> None:
     def open_checked() -> None:
         try:
             opened.append(WeightsFile(path))
-        except WeightsError as exc:
-            raise RunError(f"pretrained_weights in model.py: {exc}") from exc
-        except Exception as exc:  # a file that is not what its name says: safetensors', torch's or json's error
-            raise RunError(f"pretrained_weights in model.py: cannot read {path}: {type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # ours, or a file that is not what its name says: safetensors', torch's or json's
+            detail = str(exc) if isinstance(exc, WeightsError) else f"cannot read {path}: {type(exc).__name__}: {exc}"
+            raise RunError(f"pretrained_weights in model.py: {detail}") from exc
         problem = misfit(groups, opened[0].shapes, path)
         if problem:
             raise RunError(problem)
 
     decided_on_rank_0(env, open_checked, RunError)
     weights = opened[0] if opened else None
-    space: dict[str, torch.Tensor] = {}  # one buffer for every block: fresh ones would leave freed memory behind
+    space: list[torch.Tensor] = []  # _copy_in's buffer
     with torch.no_grad():
         for names, target in groups:
             read = None
@@ -209,51 +189,38 @@ def own_rows(target: DTensor) -> tuple[int, int] | None:
     return (start, stop) if target.to_local().shape[0] == stop - start else None
 
 
-def _copy_in(target: torch.Tensor, read: Reader | None, env: DistEnv, space: dict[str, torch.Tensor]) -> None:
+def _copy_in(target: torch.Tensor, read: Reader | None, env: DistEnv, space: list[torch.Tensor]) -> None:
     """The tensor `read` gives on rank 0 (rows start to stop at a time; None on the other ranks) into `target` on
-    every rank: the whole tensor, or under fsdp each rank's shard of it."""
+    every rank: the whole tensor, or under fsdp each rank's shard of it. In flight: one block of rows, or the whole
+    tensor when it is not sharded by rows (a ddp parameter is itself filled on rank 0 and broadcast in place)."""
     mine = own_rows(target) if isinstance(target, DTensor) else None
-    if isinstance(target, DTensor) and mine is None:  # the whole tensor in flight, then this rank's shard of it
-        full = torch.empty(target.shape, dtype=target.dtype, device=env.device)
-        _fill(full, read)
+    if mine is None:
+        whole = target.detach()
+        if isinstance(target, DTensor):
+            whole = torch.empty(target.shape, dtype=target.dtype, device=env.device)
+        if read is not None:
+            for start, stop in blocks(whole.shape, whole.element_size()):
+                read(start, stop, whole[start:stop] if whole.dim() else whole)
         if env.is_distributed:
-            dist.broadcast(full, src=0)
-        shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
-        target.to_local().copy_(shard.to_local())
-    elif mine is None:  # every rank holds all of it: filled on rank 0, sent in place
-        _fill(target, read)
-        if env.is_distributed:
-            dist.broadcast(target.detach(), src=0)
-    else:  # one block in flight at a time; each rank keeps the rows of its shard
-        local, (first, last) = cast(DTensor, target).to_local(), mine
-        for start, stop in blocks(target.shape, target.element_size()):
-            block = _buffer(space, (stop - start, *target.shape[1:]), target.dtype, env.device)
-            if read is not None:
-                read(start, stop, block)
-            if env.is_distributed:
-                dist.broadcast(block, src=0)
-            low, high = max(start, first), min(stop, last)
-            if low < high:
-                local[low - first : high - first].copy_(block[low - start : high - start])
-
-
-def _fill(tensor: torch.Tensor, read: Reader | None) -> None:
-    """`tensor` from `read`, block by block (None: left for the broadcast to fill)."""
-    if read is None:
+            dist.broadcast(whole, src=0)
+        if isinstance(target, DTensor):  # this rank's shard of it
+            shard = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
+            target.to_local().copy_(shard.to_local())
         return
-    for start, stop in blocks(tensor.shape, tensor.element_size()):
-        read(start, stop, tensor[start:stop] if tensor.dim() else tensor)
-
-
-def _buffer(
-    space: dict[str, torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """A tensor of this shape and dtype in `space`'s one buffer, made larger when it must be."""
-    size = math.prod(shape) * dtype.itemsize
-    if "bytes" not in space or space["bytes"].numel() < size:
-        space.pop("bytes", None)
-        space["bytes"] = torch.empty(size, dtype=torch.uint8, device=device)
-    return space["bytes"][:size].view(dtype).view(shape)
+    local, (first, last) = cast(DTensor, target).to_local(), mine
+    for start, stop in blocks(target.shape, target.element_size()):
+        size = (stop - start) * math.prod(target.shape[1:]) * target.element_size()
+        if not space or space[0].numel() < size:  # one buffer for every block: fresh ones would leave memory behind
+            space.clear()
+            space.append(torch.empty(size, dtype=torch.uint8, device=env.device))
+        block = space[0][:size].view(target.dtype).view(stop - start, *target.shape[1:])
+        if read is not None:
+            read(start, stop, block)
+        if env.is_distributed:
+            dist.broadcast(block, src=0)
+        low, high = max(start, first), min(stop, last)
+        if low < high:
+            local[low - first : high - first].copy_(block[low - start : high - start])
 
 
 @contextlib.contextmanager
@@ -308,7 +275,5 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
 def source(user: UserCode, cfg: Any) -> str | None:
     """Where pretrained_weights in model.py says the starting weights are; None without it, or when it says None."""
-    if user.pretrained_weights is None:
-        return None
-    where = user.pretrained_weights(cfg)
+    where = None if user.pretrained_weights is None else user.pretrained_weights(cfg)
     return None if where is None else str(where)
