@@ -145,7 +145,7 @@ def check_debugger(cfg: Any, env: DistEnv) -> None:
     hook = os.environ.get("PYTHONBREAKPOINT", "")
     debugpy_answers = os.environ.get("DEBUGPY_RUNNING") or (os.environ.get("DEBUG_RANK") and not hook)
     pdb_answers = hook in ("", "pdb.set_trace") and sys.breakpointhook is sys.__breakpointhook__
-    chosen = DebugFlags.is_chosen(env)
+    chosen = debug.is_chosen(env, unset=True)  # every rank breaks, or those DEBUG_RANK names
     without_terminal = chosen and pdb_answers and not debugpy_answers and not (sys.stdin and sys.stdin.isatty())
     if not distributed.all_true(env, not without_terminal):
         raise RunError(
@@ -218,7 +218,7 @@ class DebugFlags:
                 self._start_profiler()
         if step == self.break_at:
             micro_batches = [to_device(batch, self.env.device) for batch in micro_batches]
-            if self.is_chosen(self.env):
+            if debug.is_chosen(self.env, unset=True):
                 debug.listen_at_break(self.env, step)  # DEBUG_RANK without PYTHONBREAKPOINT: debugpy answers
                 drawn = micro_batches[0]
                 batch, held = _break_here(step, drawn, micro_batches, self.model)
@@ -246,12 +246,6 @@ class DebugFlags:
         """A trace still running (the run ended or stopped inside A..B) is written as it is; a failed run's is not."""
         if self._profiler is not None:
             self._stop_profiler(save=kind is None)
-
-    @staticmethod
-    def is_chosen(env: DistEnv) -> bool:
-        """Every rank breaks, or only those DEBUG_RANK names."""
-        value = os.environ.get("DEBUG_RANK")
-        return not value or env.rank in debug.chosen_ranks(value, env.world_size)
 
     # -- the profiler ----------------------------------------------------------------------------------------
 
