@@ -160,7 +160,7 @@ class DebugFlags:
     `total_steps`: the step the run ends at; `progress.step`, the step it starts after (resumed, or 0)."""
 
     def __init__(self, cfg: Any, env: DistEnv, model: nn.Module, progress: Progress, total_steps: int):
-        self.env, self.model, self.progress = env, model, progress
+        self.env, self.model, self.progress, self.total_steps = env, model, progress, total_steps
         self.break_at = cfg.break_at_step
         self.resume_from = cfg.resume_from
         self.check_every = cfg.check_replicas
@@ -170,21 +170,17 @@ class DebugFlags:
         self._profiled = False  # once per run: a step taken again (one the job group dropped) is not traced twice
         self._buffers = BufferWatch(model) if self.check_every else None
         self._traced_from = 0  # the first step the profiler saw
-        resumed_at = progress.step
-        if self.break_at and not self._reachable(
-            "break_at_step", self.break_at, self.break_at, resumed_at, total_steps
-        ):
+        if self.break_at and not self._reachable("break_at_step", self.break_at, self.break_at):
             self.break_at = 0
-        if self.profile_range is not None and not self._reachable(
-            "profile_steps", *self.profile_range, resumed_at, total_steps
-        ):
+        if self.profile_range is not None and not self._reachable("profile_steps", *self.profile_range):
             self.profile_range = None
 
-    def _reachable(self, name: str, low: int, high: int, resumed_at: int, last: int) -> bool:
-        """Whether this run, which trains the steps after `resumed_at` up to `last`, trains any of the steps
-        low..high that the flag `name` asks for. Said at start-up when it does not: a RunError where no run of
-        this command could (past the last step, or at or before --resume-from's step), else a warning."""
+    def _reachable(self, name: str, low: int, high: int) -> bool:
+        """Whether this run trains any of the steps low..high that the flag `name` asks for. Said at start-up when it
+        does not: a RunError where no run of this command could (past the last step, or at or before --resume-from's
+        step), else a warning."""
         asked = f"{flag(name)} {low if low == high else f'{low}:{high}'}"
+        resumed_at, last = self.progress.step, self.total_steps
         if low > last:
             raise RunError(
                 f"{asked}: the run ends at step {last}, so it never gets there: pick a step up to {last}, or raise "

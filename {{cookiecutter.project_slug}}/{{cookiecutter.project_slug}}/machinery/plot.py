@@ -81,15 +81,8 @@ def draw(lines: dict[str, tuple[list[int], list[float]]], out: str | Path, title
     figure, axes = plt.subplots(figsize=(8, 4.5), dpi=100)
     labels = dict(CURVES)
     for name, (steps, values) in lines.items():
-        validation = name.startswith("val_")
-        axes.plot(
-            steps,
-            values,
-            label=labels[name],
-            marker="o" if validation else None,
-            markersize=4,
-            linewidth=1.5 if validation else 1.0,
-        )
+        style = {"marker": "o", "linewidth": 1.5} if name.startswith("val_") else {"marker": None, "linewidth": 1.0}
+        axes.plot(steps, values, label=labels[name], markersize=4, **style)
     if all(value > 0 for _, values in lines.values() for value in values):
         axes.set_yscale("log")
         plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")  # 0.3, not 3x10^-1

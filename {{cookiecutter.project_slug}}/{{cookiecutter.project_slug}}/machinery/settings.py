@@ -49,25 +49,19 @@ class Rules:
         `check` sees the whole value and the other rules each item."""
         if value is None:
             return None
-        if self.check is not None:
-            found = self.check(value)
-            if found:
-                return found
+        found = self.check(value) if self.check is not None else None
+        if found:
+            return found
         if isinstance(value, (list, tuple)):
-            items = dataclasses.replace(self, check=None)
-            problems = [problem for problem in map(items.problem, value) if problem]
-            return problems[0] if problems else None
+            return next(filter(None, map(dataclasses.replace(self, check=None).problem, value)), None)
         if self.choices is not None and value not in self.choices:
             return f"must be one of {', '.join(map(str, self.choices))}, got {short_repr(value)}"
         if self.nonempty and value == "":
             return "must not be empty"
         if isinstance(value, float) and self.finite and not math.isfinite(value):
             return f"must be a finite number, got {value}"
-        bounds = [
-            (sign, bound)
-            for sign, bound in ((">=", self.min), (">", self.above), ("<=", self.max), ("<", self.below))
-            if bound is not None
-        ]
+        limits = {">=": self.min, ">": self.above, "<=": self.max, "<": self.below}
+        bounds = [(sign, bound) for sign, bound in limits.items() if bound is not None]
         if all(COMPARISONS[sign](value, bound) for sign, bound in bounds):  # nan fails every comparison
             if type(value) is int and not -INT_LIMIT <= value < INT_LIMIT:
                 return f"must be an integer of at most 64 bits, got {short_repr(value)}"

@@ -77,8 +77,6 @@ class WandbTracker(Tracker):
             import wandb
         except ImportError:
             raise RunError(f"{option} needs wandb: pip install wandb, or pass {flag('wandb')} disabled") from None
-
-        self._wandb = wandb
         try:
             self.run = wandb.init(project=project, id=run_id, resume="allow", mode=cast(WandbMode, mode), config=config)
         except wandb.errors.Error as exc:  # no API key, a key refused, no network: wandb's reason, on one line
@@ -283,14 +281,9 @@ def _plain(value):
 
 
 def make_tracker(
-    env: DistEnv,
-    mode: str,
-    project: str,
-    run_id: str,
-    config: dict,
-    metrics_file: str = "",
-    resumed_from: int | None = -1,
+    env: DistEnv, mode: str, project: str, run_id: str, config: dict, metrics_file: str, resumed_from: int | None
 ) -> Tracker:
+    """What rank 0 tracks to (a metrics file, wandb); a tracker that does nothing on the others."""
     if not env.is_main:
         return Tracker()
     trackers: list[Tracker] = []
