@@ -88,12 +88,9 @@ def _listen(env, note: str = "") -> None:
 
 
 def wait_for_debugger(env, at_start: bool = True) -> bool:
-    """If DEBUG_RANK names this rank, listen for a debugger and wait for it (`at_start` False: not now; with
-    --break-at-step a chosen rank listens at that step, `listen_at_break`).
-
-    Returns True when DEBUG_RANK is in effect: the ranks must then meet at a barrier (distributed.init does it), so
-    that the ranks nobody debugs wait for the ones a debugger attaches to.
-    """
+    """If DEBUG_RANK names this rank, wait for a debugger (`at_start` False: at --break-at-step's step instead).
+    True when DEBUG_RANK is in effect: the ranks must then meet at a barrier (distributed.init does it), so that the
+    ranks nobody debugs wait for the ones a debugger attaches to."""
     if not os.environ.get("DEBUG_RANK") or os.environ.get("DEBUGPY_RUNNING"):
         if postmortem_requested() and not os.environ.get("DEBUGPY_RUNNING") and env.rank == 0:
             print(
@@ -118,12 +115,9 @@ def listen_at_break(env, step: int) -> None:
 
 
 def post_mortem(env, exc: BaseException) -> None:
-    """With DEBUG_POSTMORTEM=1, a rank chosen by DEBUG_RANK that `exc` is about to end waits for a debugger,
-    which stops at the exception with its traceback's frames; returns once the debugger detaches or continues.
-
-    Call it where the exception is caught on its way out (train.py's `main`), then re-raise. Does nothing for
-    Ctrl-C, a quit from pdb, or a rank that only lost another rank: there the error to look at is elsewhere.
-    """
+    """With DEBUG_POSTMORTEM=1, a rank chosen by DEBUG_RANK that `exc` is about to end waits for a debugger, which
+    stops at the exception; returns once it detaches or continues (train.py's `main` then re-raises). Not for
+    Ctrl-C, a quit from pdb, or a rank that only lost another rank: there the error to look at is elsewhere."""
     if not postmortem_requested() or os.environ.get("DEBUGPY_RUNNING"):
         return  # under F5 the debugger is already there: its "Uncaught Exceptions" breakpoint stops at the error
     if isinstance(exc, KeyboardInterrupt) or type(exc).__name__ == "BdbQuit" or logs.lost_peer(exc):

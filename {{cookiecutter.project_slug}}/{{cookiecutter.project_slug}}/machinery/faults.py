@@ -6,6 +6,7 @@ loses it reads there which rank failed and why.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -94,11 +95,8 @@ def record(line: str, peer: bool = False) -> None:
         return
     stamp = int(time.time()) + (1 if peer else 0)
     data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(stamp), "peer": peer}}}
-    try:
-        with open(path, "w", encoding="utf-8") as handle:
-            json.dump(data, handle)
-    except OSError:
-        pass  # torchrun then reports the exit code alone
+    with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as handle:  # else torchrun shows the exit code
+        json.dump(data, handle)
 
 
 def message(exc: BaseException) -> str:
@@ -132,12 +130,9 @@ def _store():
 def announce(line: str, rank: int) -> None:
     """Leave `rank failed: line` in the job's store for the ranks that will lose this one (the first rank wins)."""
     store = _store()
-    if store is None:
-        return
-    try:
-        store.compare_set(_notice_key(), "", f"rank {rank} failed: {line}")
-    except (RuntimeError, ValueError, OSError):
-        pass
+    with contextlib.suppress(RuntimeError, ValueError, OSError):
+        if store is not None:
+            store.compare_set(_notice_key(), "", f"rank {rank} failed: {line}")
 
 
 def failed_peer() -> str | None:
