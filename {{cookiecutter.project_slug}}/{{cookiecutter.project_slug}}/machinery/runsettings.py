@@ -8,6 +8,7 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from . import baked, settings
@@ -179,10 +180,8 @@ def default_wandb_mode() -> str:
         return os.environ["WANDB_MODE"]
     if os.environ.get("WANDB_API_KEY"):
         return "online"
-    netrc = os.path.join(os.path.expanduser("~"), ".netrc")
     try:
-        with open(netrc, encoding="utf-8") as handle:
-            return "online" if "api.wandb.ai" in handle.read() else "offline"
+        return "online" if "api.wandb.ai" in Path.home().joinpath(".netrc").read_text(encoding="utf-8") else "offline"
     except OSError:
         return "offline"
 
