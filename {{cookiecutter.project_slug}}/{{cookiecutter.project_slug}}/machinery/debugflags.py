@@ -37,9 +37,7 @@ TOP_OPERATORS = 10  # rows of rank 0's table
 
 def log_dir(log_file: str, rank: int) -> str:
     """The folder of --log-file (this rank's, when the name holds {rank}); `logs` when --log-file is ''."""
-    if not log_file:
-        return "logs"
-    return os.path.dirname(logs.rank_file(log_file, rank))
+    return os.path.dirname(logs.rank_file(log_file, rank)) if log_file else "logs"
 
 
 def replay_settings(cfg: Any, env: DistEnv) -> Any:

@@ -310,11 +310,8 @@ def _from_toml(setting: Setting, value: Any) -> Any:
 
 
 def read_config_file(path: str, config_cls: type) -> dict[str, Any]:
-    """The settings a TOML file sets, by field name; ValueError with one line naming the file on any problem.
-
-    Whatever the file holds (any bytes, any size, values of any type or magnitude), the answer is a dict or that
-    ValueError: never another exception.
-    """
+    """The settings a TOML file sets, by field name; ValueError with one line naming the file on any problem, and no
+    other exception whatever the file holds (any bytes, any size, values of any type or magnitude)."""
     try:
         with open(path, "rb") as handle:
             data = handle.read(MAX_CONFIG_BYTES + 1)
@@ -395,14 +392,11 @@ def _toml_value(value: Any) -> str:
 
 
 def to_toml(cfg: Any) -> str:
-    """The settings of `cfg` as a TOML file that --config reads back to an equal config.
-
-    None is left out where it is the default, and written as "none" where it is not.
-    """
-    lines = []
-    for setting in settings(type(cfg)):
-        value = getattr(cfg, setting.name)
-        if value is None and setting.default is None:
-            continue
-        lines.append(f"{setting.name} = {_toml_value('none' if value is None else value)}")
+    """The settings of `cfg` as a TOML file that --config reads back to an equal config. None is left out where it is
+    the default, and written as "none" where it is not."""
+    lines = [
+        f"{setting.name} = {_toml_value('none' if value is None else value)}"
+        for setting in settings(type(cfg))
+        if (value := getattr(cfg, setting.name)) is not None or setting.default is not None
+    ]
     return "\n".join(lines) + "\n"
