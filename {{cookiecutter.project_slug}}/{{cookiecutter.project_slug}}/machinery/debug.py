@@ -1,22 +1,11 @@
-"""Attach a debugger to chosen ranks of a torchrun job.
+"""Attach a debugger to chosen ranks of a torchrun job (docs/debugging.md).
 
     DEBUG_RANK=1 torchrun --standalone --nproc_per_node=2 train.py     # rank 1 waits for a debugger
     DEBUG_RANK=0,2 ... / DEBUG_RANK=all ...                             # several ranks, or every rank
+    DEBUG_RANK=all DEBUG_POSTMORTEM=1 torchrun ... train.py            # a chosen rank that raises waits for one
 
-A chosen rank listens on DEBUG_HOST:DEBUG_PORT+LOCAL_RANK (default 127.0.0.1 and the port baked into the
-project), prints `rank N waiting for debugger on HOST:PORT` and waits; then every rank meets at a barrier.
-While debugging, the process group's timeout is a day, so the other ranks wait for a rank held at a
-breakpoint instead of failing. Under VSCode's F5 ("torchrun (F5)") every rank already runs under the
-debugger (DEBUGPY_RUNNING is set) and nothing here is needed. With no DEBUG_* variable set, debugpy is
-not even imported.
-
-    DEBUG_RANK=all DEBUG_POSTMORTEM=1 torchrun ... train.py    # post-mortem: train at full speed; a chosen
-                                                               # rank that raises waits for a debugger there
-
-With DEBUG_POSTMORTEM=1 the chosen ranks don't wait at the start. One that fails prints
-`rank N waiting for debugger on HOST:PORT (post-mortem)` and waits; a debugger that attaches stops at the
-exception, with the frames of its traceback to inspect. When the debugger detaches (or continues), the rank
-exits with its error as it would have. The other ranks wait meanwhile, as they do for a breakpoint.
+A chosen rank listens on DEBUG_HOST:DEBUG_PORT+LOCAL_RANK and prints `rank N waiting for debugger on HOST:PORT`;
+the others wait for it (a day's timeout while debugging). With no DEBUG_* variable set, debugpy is not imported.
 """
 
 import ipaddress
@@ -67,11 +56,10 @@ def postmortem_requested() -> bool:
     return os.environ.get("DEBUG_POSTMORTEM", "").strip().lower() in ("1", "true", "yes")
 
 
-def _is_chosen(env) -> bool:
+def is_chosen(env, unset: bool = False) -> bool:
+    """Whether DEBUG_RANK names this rank; `unset` when DEBUG_RANK is not set."""
     value = os.environ.get("DEBUG_RANK")
-    if not value:
-        return False
-    return env.rank in chosen_ranks(value, env.world_size)
+    return env.rank in chosen_ranks(value, env.world_size) if value else unset
 
 
 def _listen(env, note: str = "") -> None:
@@ -100,12 +88,9 @@ def _listen(env, note: str = "") -> None:
 
 
 def wait_for_debugger(env, at_start: bool = True) -> bool:
-    """If DEBUG_RANK names this rank, listen for a debugger and wait for it (`at_start` False: not now; with
-    --break-at-step a chosen rank listens at that step, `listen_at_break`).
-
-    Returns True when DEBUG_RANK is in effect: the ranks must then meet at a barrier (distributed.init does it), so
-    that the ranks nobody debugs wait for the ones a debugger attaches to.
-    """
+    """If DEBUG_RANK names this rank, wait for a debugger (`at_start` False: at --break-at-step's step instead).
+    True when DEBUG_RANK is in effect: the ranks must then meet at a barrier (distributed.init does it), so that the
+    ranks nobody debugs wait for the ones a debugger attaches to."""
     if not os.environ.get("DEBUG_RANK") or os.environ.get("DEBUGPY_RUNNING"):
         if postmortem_requested() and not os.environ.get("DEBUGPY_RUNNING") and env.rank == 0:
             print(
@@ -115,7 +100,7 @@ def wait_for_debugger(env, at_start: bool = True) -> bool:
                 flush=True,
             )
         return False
-    if _is_chosen(env) and at_start and not postmortem_requested():  # a bad DEBUG_RANK fails here, at start
+    if is_chosen(env) and at_start and not postmortem_requested():  # a bad DEBUG_RANK fails here, at start
         _listen(env)
     return True
 
@@ -130,18 +115,15 @@ def listen_at_break(env, step: int) -> None:
 
 
 def post_mortem(env, exc: BaseException) -> None:
-    """With DEBUG_POSTMORTEM=1, a rank chosen by DEBUG_RANK that `exc` is about to end waits for a debugger,
-    which stops at the exception with its traceback's frames; returns once the debugger detaches or continues.
-
-    Call it where the exception is caught on its way out (train.py's `main`), then re-raise. Does nothing for
-    Ctrl-C, a quit from pdb, or a rank that only lost another rank: there the error to look at is elsewhere.
-    """
+    """With DEBUG_POSTMORTEM=1, a rank chosen by DEBUG_RANK that `exc` is about to end waits for a debugger, which
+    stops at the exception; returns once it detaches or continues (train.py's `main` then re-raises). Not for
+    Ctrl-C, a quit from pdb, or a rank that only lost another rank: there the error to look at is elsewhere."""
     if not postmortem_requested() or os.environ.get("DEBUGPY_RUNNING"):
         return  # under F5 the debugger is already there: its "Uncaught Exceptions" breakpoint stops at the error
     if isinstance(exc, KeyboardInterrupt) or type(exc).__name__ == "BdbQuit" or logs.lost_peer(exc):
         return
     try:
-        if not _is_chosen(env):
+        if not is_chosen(env):
             return
         _listen(env, note=" (post-mortem)")
     except (ValueError, RuntimeError) as problem:  # a bad DEBUG_RANK or a taken port: the error itself matters more

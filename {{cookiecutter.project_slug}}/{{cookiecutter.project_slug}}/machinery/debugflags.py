@@ -1,26 +1,6 @@
-"""The debugging flags of train.py: --break-at-step, --profile-steps, --check-replicas and --resume-from.
-
-`train()` calls `before_forward` once a step's batch is drawn and `after_step` once its optimizer step is done; with
-every flag off both return at once, so the loop costs what it did without them.
-
-- --break-at-step N: `breakpoint()` right before step N's forward, in `_break_here`, whose locals are `step`,
-  `batch` (the first micro-batch, on the device), `micro_batches` (all of them, on the device) and `model` (your
-  module, as build_model made it; sharded under fsdp); the step trains on what `batch` and `micro_batches` hold
-  when the debugger continues. Every rank stops, or the ranks DEBUG_RANK names; then every rank meets at a
-  barrier, so the others wait there (with this flag, collectives wait a day: distributed.py). A step the run never
-  reaches, or pdb without a terminal to read, is said at start-up (`check_debugger`, `DebugFlags`).
-- --profile-steps A:B: torch.profiler from step A's forward to step B's optimizer step, on every rank; a Chrome
-  trace per rank into `<log dir>/profile/`, the top operators on rank 0's console, and on CUDA a memory snapshot
-  (pytorch.org/memory_viz). Outside A..B no profiler exists.
-- --check-replicas N: after every N-th optimizer step, three integer checksums of each parameter and buffer (one
-  of them depends on the order of the elements), gathered from every rank in one all_gather: the bits of the
-  replicas must be equal, since every rank applies the same averaged gradients. A difference stops the run
-  (RunError) naming the first tensor and the ranks. A buffer that the step's forward changed on some rank (a running
-  statistic: BatchNorm's, or one of your own) is left out of that check: each rank updates it from its own batch,
-  and every rank trains with rank 0's, broadcast before each forward (DDP's broadcast_buffers, step.py under fsdp).
-- --resume-from STEP: `replay_settings` copies the kept snapshot of STEP (and the run id) into a scratch snapshot
-  folder beside --snapshot-dir and points the run's snapshots and export there; the original run's folder, export
-  and metrics file are only read.
+"""The debugging flags of train.py (docs/debugging.md): --break-at-step, --profile-steps, --check-replicas and
+--resume-from. `train()` calls `before_forward` once a step's batch is drawn and `after_step` once its optimizer step
+is done; with every flag off both return at once, so the loop costs what it did without them.
 """
 
 from __future__ import annotations
@@ -31,6 +11,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 from typing import Any
 
 try:
@@ -56,40 +37,61 @@ TOP_OPERATORS = 10  # rows of rank 0's table
 
 def log_dir(log_file: str, rank: int) -> str:
     """The folder of --log-file (this rank's, when the name holds {rank}); `logs` when --log-file is ''."""
-    if not log_file:
-        return "logs"
-    return os.path.dirname(logs.rank_file(log_file, rank))
+    return os.path.dirname(logs.rank_file(log_file, rank)) if log_file else "logs"
 
 
 def replay_settings(cfg: Any, env: DistEnv) -> Any:
     """--resume-from STEP: the settings of a replay from the kept snapshot of STEP (`cfg` itself without it).
 
-    Rank 0 copies that snapshot and the run id into `<snapshot-dir>.replay-<step>` (made anew each time), which
-    becomes the run's snapshot folder, with `export/` in it; the run then resumes from it as from any snapshot, with
-    the command line's settings. The metrics file is kept only when it is not the original run's, and wandb is off:
-    the replay must not add to the original run's records."""
+    Rank 0 copies that snapshot and the run id into `<snapshot-dir>.replay-<step>` (made anew each time; from a
+    store, it downloads them, checked, into a folder under the system's temp dir), which becomes the run's snapshot
+    folder, with `export/` in it; the run then resumes from it as from any snapshot, with the command line's
+    settings. The metrics file is kept only when it is not the original run's, and wandb is off: the replay must
+    not add to the original run's records."""
     step = cfg.resume_from
     if not step:
         return cfg
-    if "://" in cfg.snapshot_dir:  # a store: the snapshot is downloaded for a replay on this machine
-        return _replay_from_store(cfg, env, step)
-    original = os.path.abspath(cfg.snapshot_dir)
-    kept = list_steps(original)[0] if os.path.isdir(original) else []
-    if step not in kept:
-        raise RunError(
-            f"{flag('resume_from')} {step}: {original} keeps no snapshot of step {step} "
-            f"(it keeps {', '.join(map(str, sorted(kept))) or 'none'})"
+    if "://" in cfg.snapshot_dir:
+        from .snapshot.store import Store
+
+        store = Store(cfg.snapshot_dir, env.rank)
+        original = store.url
+        scratch = config_dir = os.path.join(
+            tempfile.gettempdir(), f"{os.path.basename(store.local).rsplit('-rank', 1)[0]}.replay-{step}"
         )
-    scratch = f"{original}.replay-{step}"
-    if env.is_main:
-        shutil.rmtree(scratch, ignore_errors=True)
-        for copied in _snapshot_and_its_frozen(original, step):
-            shutil.copytree(os.path.join(original, step_name(copied)), os.path.join(scratch, step_name(copied)))
-        if os.path.exists(os.path.join(original, RUN_FILE)):
-            shutil.copy2(os.path.join(original, RUN_FILE), scratch)
-    distributed.barrier(env)  # the copy is complete before any rank looks for a snapshot in it
+
+        def pull() -> None:
+            kept = store.steps()[0]
+            shutil.rmtree(scratch, ignore_errors=True)
+            problem = store.pull(step, scratch) if step in kept else f"{store.url} keeps no snapshot of step {step}"
+            if problem:
+                listed = ", ".join(map(str, sorted(kept))) or "none"
+                raise RunError(
+                    f"{flag('resume_from')} {step}: {problem}" + ("" if step in kept else f" (it keeps {listed})")
+                )
+            for name in (RUN_FILE, "config.toml"):
+                with contextlib.suppress(FileNotFoundError):
+                    store.download(name, os.path.join(scratch, name))
+
+        distributed.decided_on_rank_0(env, pull, RunError)
+    else:
+        original = config_dir = os.path.abspath(cfg.snapshot_dir)
+        scratch = f"{original}.replay-{step}"
+        kept = list_steps(original)[0] if os.path.isdir(original) else []
+        if step not in kept:
+            raise RunError(
+                f"{flag('resume_from')} {step}: {original} keeps no snapshot of step {step} "
+                f"(it keeps {', '.join(map(str, sorted(kept))) or 'none'})"
+            )
+        if env.is_main:
+            shutil.rmtree(scratch, ignore_errors=True)
+            for copied in _snapshot_and_its_frozen(original, step):
+                shutil.copytree(os.path.join(original, step_name(copied)), os.path.join(scratch, step_name(copied)))
+            if os.path.exists(os.path.join(original, RUN_FILE)):
+                shutil.copy2(os.path.join(original, RUN_FILE), scratch)
+        distributed.barrier(env)  # the copy is complete before any rank looks for a snapshot in it
     metrics_file = cfg.metrics_file
-    if metrics_file and os.path.abspath(metrics_file) == _original_metrics_file(original):
+    if metrics_file and os.path.abspath(metrics_file) == _original_metrics_file(config_dir):
         metrics_file = ""
     log.log(
         logging.INFO if env.is_main else logging.DEBUG,
@@ -99,52 +101,6 @@ def replay_settings(cfg: Any, env: DistEnv) -> Any:
         scratch,
         f", metrics to {metrics_file}" if metrics_file else " (no metrics file: pass --metrics-file for one)",
     )
-    return dataclasses.replace(
-        cfg,
-        snapshot_dir=scratch,
-        export_dir=os.path.join(scratch, "export"),
-        metrics_file=metrics_file,
-        wandb="disabled",
-        resume="auto",
-    )
-
-
-def _replay_from_store(cfg: Any, env: DistEnv, step: int) -> Any:
-    """replay_settings for a snapshot on a store: rank 0 downloads it (checked) into a folder under the system's
-    temp dir, which every rank of this machine reads."""
-    import tempfile
-
-    from .snapshot.store import Store
-
-    store = Store(cfg.snapshot_dir, env.rank)
-    scratch = os.path.join(
-        tempfile.gettempdir(), f"{os.path.basename(store.local).rsplit('-rank', 1)[0]}.replay-{step}"
-    )
-
-    def pull() -> None:
-        kept = store.steps()[0]
-        shutil.rmtree(scratch, ignore_errors=True)
-        problem = store.pull(step, scratch) if step in kept else f"{store.url} keeps no snapshot of step {step}"
-        if problem:
-            listed = ", ".join(map(str, sorted(kept))) or "none"
-            raise RunError(
-                f"{flag('resume_from')} {step}: {problem}" + ("" if step in kept else f" (it keeps {listed})")
-            )
-        for name in (RUN_FILE, "config.toml"):
-            with contextlib.suppress(FileNotFoundError):
-                store.download(name, os.path.join(scratch, name))
-
-    distributed.decided_on_rank_0(env, pull, RunError)
-    log.log(
-        logging.INFO if env.is_main else logging.DEBUG,
-        "replaying from the snapshot of step %d in %s: snapshots and export go to %s",
-        step,
-        store.url,
-        scratch,
-    )
-    metrics_file = cfg.metrics_file  # the original run's is left as it is
-    if metrics_file and os.path.abspath(metrics_file) == _original_metrics_file(scratch):
-        metrics_file = ""
     export = os.path.join(scratch, "export")
     return dataclasses.replace(
         cfg, snapshot_dir=scratch, export_dir=export, metrics_file=metrics_file, wandb="disabled", resume="auto"
@@ -169,10 +125,10 @@ def _snapshot_and_its_frozen(folder: str, step: int) -> list[int]:
     return sorted({step, held_in})
 
 
-def _original_metrics_file(snapshot_dir: str) -> str | None:
-    """The metrics file of the run that trained into `snapshot_dir` (its config.toml, report.write_config)."""
+def _original_metrics_file(folder: str) -> str | None:
+    """The metrics file of the run whose config.toml (report.write_config) is in `folder`."""
     try:
-        with open(os.path.join(snapshot_dir, "config.toml"), "rb") as handle:
+        with open(os.path.join(folder, "config.toml"), "rb") as handle:
             written = tomllib.load(handle).get("metrics_file")
     except (OSError, tomllib.TOMLDecodeError):
         return None
@@ -187,7 +143,7 @@ def check_debugger(cfg: Any, env: DistEnv) -> None:
     hook = os.environ.get("PYTHONBREAKPOINT", "")
     debugpy_answers = os.environ.get("DEBUGPY_RUNNING") or (os.environ.get("DEBUG_RANK") and not hook)
     pdb_answers = hook in ("", "pdb.set_trace") and sys.breakpointhook is sys.__breakpointhook__
-    chosen = DebugFlags.is_chosen(env)
+    chosen = debug.is_chosen(env, unset=True)  # every rank breaks, or those DEBUG_RANK names
     without_terminal = chosen and pdb_answers and not debugpy_answers and not (sys.stdin and sys.stdin.isatty())
     if not distributed.all_true(env, not without_terminal):
         raise RunError(
@@ -199,13 +155,10 @@ def check_debugger(cfg: Any, env: DistEnv) -> None:
 
 class DebugFlags:
     """--break-at-step, --profile-steps and --check-replicas for one run; use it as a context manager.
-
-    `total_steps`: the step the run ends at; `progress.step`, the step it starts after (resumed, or 0). A break or
-    a profile the run cannot reach is said once, at start-up: a refusal when nothing in the command could reach it
-    (past the last step, or at or before --resume-from's step), else a warning (a restart resumed past it)."""
+    `total_steps`: the step the run ends at; `progress.step`, the step it starts after (resumed, or 0)."""
 
     def __init__(self, cfg: Any, env: DistEnv, model: nn.Module, progress: Progress, total_steps: int):
-        self.env, self.model, self.progress = env, model, progress
+        self.env, self.model, self.progress, self.total_steps = env, model, progress, total_steps
         self.break_at = cfg.break_at_step
         self.resume_from = cfg.resume_from
         self.check_every = cfg.check_replicas
@@ -215,21 +168,17 @@ class DebugFlags:
         self._profiled = False  # once per run: a step taken again (one the job group dropped) is not traced twice
         self._buffers = BufferWatch(model) if self.check_every else None
         self._traced_from = 0  # the first step the profiler saw
-        resumed_at = progress.step
-        if self.break_at and not self._reachable(
-            "break_at_step", self.break_at, self.break_at, resumed_at, total_steps
-        ):
+        if self.break_at and not self._reachable("break_at_step", self.break_at, self.break_at):
             self.break_at = 0
-        if self.profile_range is not None and not self._reachable(
-            "profile_steps", *self.profile_range, resumed_at, total_steps
-        ):
+        if self.profile_range is not None and not self._reachable("profile_steps", *self.profile_range):
             self.profile_range = None
 
-    def _reachable(self, name: str, low: int, high: int, resumed_at: int, last: int) -> bool:
-        """Whether this run, which trains the steps after `resumed_at` up to `last`, trains any of the steps
-        low..high that the flag `name` asks for. Said at start-up when it does not: a RunError where no run of
-        this command could (past the last step, or at or before --resume-from's step), else a warning."""
+    def _reachable(self, name: str, low: int, high: int) -> bool:
+        """Whether this run trains any of the steps low..high that the flag `name` asks for. Said at start-up when it
+        does not: a RunError where no run of this command could (past the last step, or at or before --resume-from's
+        step), else a warning."""
         asked = f"{flag(name)} {low if low == high else f'{low}:{high}'}"
+        resumed_at, last = self.progress.step, self.total_steps
         if low > last:
             raise RunError(
                 f"{asked}: the run ends at step {last}, so it never gets there: pick a step up to {last}, or raise "
@@ -263,7 +212,7 @@ class DebugFlags:
                 self._start_profiler()
         if step == self.break_at:
             micro_batches = [to_device(batch, self.env.device) for batch in micro_batches]
-            if self.is_chosen(self.env):
+            if debug.is_chosen(self.env, unset=True):
                 debug.listen_at_break(self.env, step)  # DEBUG_RANK without PYTHONBREAKPOINT: debugpy answers
                 drawn = micro_batches[0]
                 batch, held = _break_here(step, drawn, micro_batches, self.model)
@@ -284,25 +233,13 @@ class DebugFlags:
             if self.profile_range is not None and step >= self.profile_range[1]:
                 self._stop_profiler(save=True)
 
-    def close(self) -> None:
-        """The end of the loop: a trace still running (the run ended or stopped inside A..B) is written as it is."""
-        if self._profiler is not None:
-            self._stop_profiler(save=True)
-
     def __enter__(self) -> DebugFlags:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
-        if kind is None:
-            self.close()
-        elif self._profiler is not None:  # a failed run: let the profiler go, write nothing
-            self._stop_profiler(save=False)
-
-    @staticmethod
-    def is_chosen(env: DistEnv) -> bool:
-        """Every rank breaks, or only those DEBUG_RANK names."""
-        value = os.environ.get("DEBUG_RANK")
-        return not value or env.rank in debug.chosen_ranks(value, env.world_size)
+        """A trace still running (the run ended or stopped inside A..B) is written as it is; a failed run's is not."""
+        if self._profiler is not None:
+            self._stop_profiler(save=kind is None)
 
     # -- the profiler ----------------------------------------------------------------------------------------
 
@@ -350,17 +287,13 @@ def _break_here(step: int, batch: Any, micro_batches: list, model: nn.Module) ->
 # -- --check-replicas ----------------------------------------------------------------------------------------
 
 
-def checksums(model: nn.Module) -> tuple[list[str], torch.Tensor]:
+def checksums(model: nn.Module, buffers_only: bool = False) -> tuple[list[str], torch.Tensor]:
     """The tensors compared (parameters, then buffers, by name), and for each three int64 checksums of its bits
     (wrapping sums, exact whatever the order of the additions): of the bits, of their squares, and of each times its
     position, which tells replicas whose elements are the same but in another order (rows permuted) apart. Sharded
     DTensors (fsdp) are left out: each rank holds another shard."""
-    return tensor_checksums([*model.named_parameters(), *model.named_buffers()])
-
-
-def tensor_checksums(named: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor]:
-    """checksums() of these (name, tensor) pairs."""
     names, sums = [], []
+    named = list(model.named_buffers()) if buffers_only else [*model.named_parameters(), *model.named_buffers()]
     for name, each in named:
         tensor: torch.Tensor = each
         if isinstance(tensor, DTensor):
@@ -392,7 +325,7 @@ class BufferWatch:
         self._hook: Any = None
 
     def _sums(self) -> dict[str, torch.Tensor]:
-        names, sums = tensor_checksums(list(self.model.named_buffers()))
+        names, sums = checksums(self.model, buffers_only=True)
         return dict(zip(names, sums, strict=True))
 
     def start(self) -> None:
@@ -413,8 +346,11 @@ class BufferWatch:
 
 
 def check_replicas(env: DistEnv, model: nn.Module, step: int, moved: set[str]) -> None:
-    """Every rank's checksums in one all_gather; a RunError on every rank alike when any differs from rank 0's.
-    `moved`: the buffers this step's forward changed on this rank; one that any rank's changed is not compared."""
+    """Every rank's checksums in one all_gather; a RunError on every rank alike when any differs from rank 0's: every
+    rank applies the same averaged gradients, so the replicas' bits must be equal. `moved`: the buffers this step's
+    forward changed on this rank (a running statistic, BatchNorm's or one of your own): one that any rank's changed
+    is not compared, since each rank updates it from its own batch and every rank trains with rank 0's, broadcast
+    before each forward (DDP's broadcast_buffers, step.py under fsdp)."""
     if not env.is_distributed:
         return
     names, sums = checksums(model)

@@ -1,22 +1,12 @@
-"""A user's bug reads as the user's bug: one line naming their function and line, on the rank where it happened.
-
-- A hook of model.py or data.py that raises (hooks.py tags the exception with the hook's name) is told in one
-  ERROR line, `compute_loss in model.py raised ValueError: ... (at pkg/model.py:60: <the line>)`, followed by the
-  traceback once. An exception that came through a DataLoader worker carries only the worker's traceback as text:
-  the user's frame is read from there.
-- `BadUserValue`: a value of the user's code that the trainer refuses on this rank alone (what compute_loss returned,
-  an empty batch). Other ranks may not meet it, so this rank says it at ERROR; a plain RunError is met by every
-  rank alike and rank 0 says it.
-- `PeerFailed`: this rank stops because another one failed, and knows which.
-- The failing rank records its one line as torchrun's error file (torchrun's summary and launch() show it, not the
-  traceback again) and leaves it in the job's store, before it leaves the process group: a rank that then loses
-  it reads there which rank failed and why. A rank that stops because of another records that too, one second
-  later: torchrun names as the root cause the earliest record in whole seconds (ties go to the rank that exited
-  first, which may be the one that only lost its peer).
+"""A user's bug reads as the user's bug: one line naming their function and line, on the rank where it happened
+(docs/troubleshooting.md). The failing rank records its line as torchrun's error file (torchrun's summary and
+launch() show it) and leaves it in the job's store before it leaves the process group, so that a rank that then
+loses it reads there which rank failed and why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -105,11 +95,8 @@ def record(line: str, peer: bool = False) -> None:
         return
     stamp = int(time.time()) + (1 if peer else 0)
     data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(stamp), "peer": peer}}}
-    try:
-        with open(path, "w", encoding="utf-8") as handle:
-            json.dump(data, handle)
-    except OSError:
-        pass  # torchrun then reports the exit code alone
+    with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as handle:  # else torchrun shows the exit code
+        json.dump(data, handle)
 
 
 def message(exc: BaseException) -> str:
@@ -143,12 +130,9 @@ def _store():
 def announce(line: str, rank: int) -> None:
     """Leave `rank failed: line` in the job's store for the ranks that will lose this one (the first rank wins)."""
     store = _store()
-    if store is None:
-        return
-    try:
-        store.compare_set(_notice_key(), "", f"rank {rank} failed: {line}")
-    except (RuntimeError, ValueError, OSError):
-        pass
+    with contextlib.suppress(RuntimeError, ValueError, OSError):
+        if store is not None:
+            store.compare_set(_notice_key(), "", f"rank {rank} failed: {line}")
 
 
 def failed_peer() -> str | None:

@@ -1,16 +1,6 @@
-"""Rank-aware logging: one clean console, and no rank's warning or error is ever lost.
-
-- Rank 0 logs INFO and up to the console and to the log file.
-- Other ranks are quiet on the console, but their warnings and errors show, tagged `[rank N]`, and go to the
-  log file too.
-- DEBUG_ALL_RANKS=1 turns every rank to DEBUG on the console.
-- A log file name with `{rank}` in it (`--log-file logs/rank{rank}.log`) gives every rank its own full file.
-
-Use `logging.getLogger(__name__)` and log as usual; nothing in the code needs to ask which rank it is on.
-Records are formatted only where a handler takes them, so quiet ranks pay for nothing.
-
-A rank that stops because another rank died logs one warning saying so, not a traceback that makes the healthy
-rank look guilty (`log_failure`); its traceback goes to DEBUG, so a per-rank log file still has it.
+"""Rank-aware logging: rank 0 logs INFO and up to the console and the log file; the other ranks' warnings and errors
+show too, tagged `[rank N]`. DEBUG_ALL_RANKS=1 turns every rank to DEBUG on the console; `{rank}` in the log file's
+name gives every rank its own full file. Use `logging.getLogger(__name__)`: no code asks which rank it is on.
 """
 
 import logging
@@ -23,16 +13,6 @@ FORMAT = "%(asctime)s %(levelname)s [rank %(rank)s] %(name)s: %(message)s"
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 _HANDLER_MARK = "_rank_aware_handler"
 _START_MARK = "_rank_aware_start"  # where this process began writing its log file
-
-
-class _RankFilter(logging.Filter):
-    def __init__(self, rank):
-        super().__init__()
-        self.rank = rank
-
-    def filter(self, record):
-        record.rank = self.rank
-        return True
 
 
 class _ConsoleHandler(logging.StreamHandler):
@@ -65,16 +45,12 @@ def setup(rank: int, log_file: str = "", level: int = logging.INFO) -> None:
 
     handlers: list[logging.Handler] = [_ConsoleHandler(sys.stderr)]
     handlers[0].setLevel(console_level)
-    file_level = console_level
+    # A file per rank holds everything; the other ranks add only their warnings to rank 0's.
+    file_level = logging.DEBUG if "{rank}" in log_file else console_level if rank == 0 else logging.WARNING
     if log_file:
-        per_rank = "{rank}" in log_file
         path = rank_file(log_file, rank)
-        if per_rank:
-            file_level = logging.DEBUG
-        elif rank != 0:
-            file_level = logging.WARNING  # other ranks add only their warnings to the shared file
         try:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
             file_handler = logging.FileHandler(path, mode="a", encoding="utf-8")
         except OSError:
             pass  # the console only: the trainer's start-up check refuses a log file it cannot write, in one line
@@ -83,11 +59,10 @@ def setup(rank: int, log_file: str = "", level: int = logging.INFO) -> None:
             setattr(file_handler, _START_MARK, os.path.getsize(file_handler.baseFilename))
             handlers.append(file_handler)
 
-    formatter = logging.Formatter(FORMAT, DATE_FORMAT)
+    formatter = logging.Formatter(FORMAT, DATE_FORMAT, defaults={"rank": rank})
     for handler in handlers:
         setattr(handler, _HANDLER_MARK, True)
         handler.setFormatter(formatter)
-        handler.addFilter(_RankFilter(rank))
         root.addHandler(handler)
     lowest = min(console_level, file_level)
     root.setLevel(max(lowest, logging.INFO))  # other libraries' DEBUG chatter stays out
@@ -150,10 +125,8 @@ def warn_from_rank_0(logger: logging.Logger, is_main: bool, message: str, *args:
 
 
 def lost_peer(exc: BaseException) -> str | None:
-    """Why `exc` means another rank is gone (a short phrase), or None when the failure is this rank's own.
-
-    Looks through the exception's causes too, so a peer's death stays recognisable when code wraps it.
-    """
+    """Why `exc` (or an exception it wraps) means another rank is gone, as a short phrase; None when the failure is
+    this rank's own."""
     seen = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
@@ -181,28 +154,17 @@ def restart_note() -> str:
 
 
 def log_failure(logger: logging.Logger, exc: BaseException, peer: str | None = None, line: str | None = None) -> None:
-    """Log an exception that is about to end this rank: once, tagged with the rank.
-
-    A failure of this rank's own shows with its traceback, after `line` (what failed, in one line) when given.
-    When the exception only says that another rank is gone, one warning says so, naming `peer` (`rank N failed:
-    ...`, when that rank left word), and the traceback goes to DEBUG (`DEBUG_ALL_RANKS=1`, or a per-rank
-    `--log-file 'logs/rank{rank}.log'`): the rank that died has its own error to show. Either way the
-    interpreter does not print the traceback again.
-    """
+    """Log an exception that is about to end this rank, once: a failure of its own with its traceback, after `line`
+    (what failed) when given. When it only says that another rank is gone, one warning naming `peer` (`rank N failed:
+    ...`, when that rank left word), and the traceback at DEBUG: the rank that died has its own error to show."""
     if isinstance(exc, KeyboardInterrupt):
         logger.warning("interrupted")
         return
     if type(exc).__name__ == "BdbQuit" and type(exc).__module__ == "bdb":
         logger.warning("stopped from the debugger (pdb: quit)")
     elif (reason := lost_peer(exc)) is not None:
-        if peer:
-            logger.warning("lost another rank (%s): %s; so this rank stops too; %s", reason, peer, restart_note())
-        else:
-            logger.warning(
-                "lost another rank (%s): it stopped, crashed or was killed, so this rank stops too; %s",
-                reason,
-                restart_note(),
-            )
+        what = f"{peer};" if peer else "it stopped, crashed or was killed,"
+        logger.warning("lost another rank (%s): %s so this rank stops too; %s", reason, what, restart_note())
         logger.debug("the error that told this rank", exc_info=exc)
     else:
         logger.error("%s", line or "training failed", exc_info=exc)

@@ -22,15 +22,20 @@ CURVES = (("loss", "train loss"), ("val_loss", "validation loss"))
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """The records of a metrics file in step order, one per step.
+    """The records of a metrics file in step order, one per step (a step logged twice, as the steps a resumed run
+    redoes after its last snapshot, keeps its newest record); lines that are no records are counted in one warning."""
+    records, skipped = records_in(Path(path).read_bytes())
+    if skipped:
+        log.warning("%s: skipped %d line(s) that are not metrics records", path, skipped)
+    by_step = {record["step"]: record for record, _ in records}
+    return [by_step[step] for step in sorted(by_step)]
 
-    Lines that do not parse are skipped: a job killed mid-write leaves a partial last line, and any other line that
-    is no record (not UTF-8, not a JSON object with a step) is counted in one warning. A step logged twice (the
-    steps a resumed run redoes after its last snapshot) keeps its newest record.
-    """
-    by_step: dict[int, dict] = {}
-    lines = Path(path).read_bytes().split(b"\n")
-    skipped = 0
+
+def records_in(content: bytes) -> tuple[list[tuple[dict, bytes]], int]:
+    """The records in a metrics file's bytes, each with its line, and the number of other lines (not counting a
+    partial last line: what a crash leaves). A record is a JSON object with an integer step."""
+    lines = content.split(b"\n")
+    records, skipped = [], 0
     for number, line in enumerate(lines):
         try:
             record = json.loads(line.decode("utf-8"))
@@ -38,12 +43,10 @@ def read_metrics(path: str | Path) -> list[dict]:
             record = None
         step = record.get("step") if isinstance(record, dict) else None
         if isinstance(step, int) and not isinstance(step, bool):
-            by_step[step] = record
-        elif line.strip() and number < len(lines) - 1:  # not the partial last line a crash leaves
+            records.append((record, line + b"\n"))  # a last line complete but for its newline too
+        elif line.strip() and number < len(lines) - 1:
             skipped += 1
-    if skipped:
-        log.warning("%s: skipped %d line(s) that are not metrics records", path, skipped)
-    return [by_step[step] for step in sorted(by_step)]
+    return records, skipped
 
 
 def curves(records: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
@@ -78,15 +81,8 @@ def draw(lines: dict[str, tuple[list[int], list[float]]], out: str | Path, title
     figure, axes = plt.subplots(figsize=(8, 4.5), dpi=100)
     labels = dict(CURVES)
     for name, (steps, values) in lines.items():
-        validation = name.startswith("val_")
-        axes.plot(
-            steps,
-            values,
-            label=labels[name],
-            marker="o" if validation else None,
-            markersize=4,
-            linewidth=1.5 if validation else 1.0,
-        )
+        style = {"marker": "o", "linewidth": 1.5} if name.startswith("val_") else {"marker": None, "linewidth": 1.0}
+        axes.plot(steps, values, label=labels[name], markersize=4, **style)
     if all(value > 0 for _, values in lines.values() for value in values):
         axes.set_yscale("log")
         plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")  # 0.3, not 3x10^-1

@@ -1,6 +1,5 @@
-"""What a run leaves for people: exported weights, the summary, the resolved settings, the progress bar.
-
-Where the weights and the summary go is the export folder that outputs.ExportFolder claimed for the run."""
+"""What a run leaves for people: exported weights, the summary, the resolved settings, the progress bar. The weights
+and the summary go to the export folder that outputs.ExportFolder claimed for the run."""
 
 from __future__ import annotations
 
@@ -117,14 +116,8 @@ def progress_bar(env: DistEnv, total: int, initial: int) -> tqdm:
     """tqdm on rank 0 when the console is a terminal; disabled (drawing nothing) elsewhere."""
     from tqdm import tqdm
 
-    return tqdm(
-        total=total,
-        initial=initial,
-        unit="step",
-        dynamic_ncols=True,
-        leave=False,
-        disable=not (env.is_main and sys.stderr.isatty()),
-    )
+    shown = env.is_main and sys.stderr.isatty()
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=False, disable=not shown)
 
 
 def val_text(summary: Summary) -> str:

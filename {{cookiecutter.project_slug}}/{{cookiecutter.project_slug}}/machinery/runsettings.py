@@ -1,9 +1,5 @@
-"""The engine's settings: how long and how to train, snapshots, logging, the process group, finding bugs.
-
-config.py's `Config` extends `RunSettings` with the settings of the user's model and data. Each section below is a
-dataclass of its own so that `train.py --help` lists the settings in these groups (its docstring is the group's
-title); `RunSettings` is all of them, in this order. To change a default, declare the field again in `Config` with
-another `option(...)`: it then shows among the project's own settings.
+"""The engine's settings, one dataclass per `train.py --help` group (its docstring is the group's title); config.py's
+`Config` extends `RunSettings` with the model's and data's. To change a default, declare the field again in `Config`.
 """
 
 from __future__ import annotations
@@ -12,10 +8,11 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any
 
 from . import baked, settings
-from .settings import option
+from .settings import SettingsT, option
 
 AMP_MODES = ("off", "bf16", "fp16")
 WANDB_MODES = ("online", "offline", "disabled")
@@ -183,19 +180,14 @@ def default_wandb_mode() -> str:
         return os.environ["WANDB_MODE"]
     if os.environ.get("WANDB_API_KEY"):
         return "online"
-    netrc = os.path.join(os.path.expanduser("~"), ".netrc")
     try:
-        with open(netrc, encoding="utf-8") as handle:
-            return "online" if "api.wandb.ai" in handle.read() else "offline"
+        return "online" if "api.wandb.ai" in Path.home().joinpath(".netrc").read_text(encoding="utf-8") else "offline"
     except OSError:
         return "offline"
 
 
-SettingsT = TypeVar("SettingsT")
-
-
 def parse_args(argv: Sequence[str] | None, config_cls: type[SettingsT]) -> SettingsT:
-    """Settings from --config FILE, then the command line on top; exit 2 with one line on the first bad value."""
+    """settings.parse_args, with --wandb's default decided."""
     cfg = settings.parse_args(argv, config_cls)
     if isinstance(cfg, RunSettings) and not cfg.wandb:
         cfg = dataclasses.replace(cfg, wandb=default_wandb_mode())

@@ -1,13 +1,6 @@
-"""The adapter between a settings dataclass (config.py's `Config`, or a user's own) and the command line and TOML.
-
-Each field becomes a flag (`batch_size` -> `--batch-size`); a bool field becomes a pair, `--compile/--no-compile`;
-a list or tuple field takes its items after the flag (`--lora-targets c_attn c_proj`); unknown flags are an error.
-`--config run.toml` reads settings from a TOML file whose keys are field names (a list: `lora_targets = ["c_attn",
-"c_proj"]`); flags on the command line override the file. The values a field accepts are declared on the field
-(`option(32, "...", min=1)`) and checked, for flags and file alike, before the run starts.
-
-Plain argparse rather than tyro: argparse is in the standard library, and this file is cheaper to keep than a
-dependency. No torch here: `train.py --help` and a mistyped flag answer before torch loads.
+"""A settings dataclass as a command line (`batch_size` -> `--batch-size`, `--compile/--no-compile`, list items after
+their flag) and as a TOML file (`--config run.toml`, overridden by flags); `option(32, "...", min=1)` declares the
+values a field accepts. Plain argparse, no torch: `--help` and a mistyped flag answer before torch loads.
 """
 
 from __future__ import annotations
@@ -56,25 +49,19 @@ class Rules:
         `check` sees the whole value and the other rules each item."""
         if value is None:
             return None
-        if self.check is not None:
-            found = self.check(value)
-            if found:
-                return found
+        found = self.check(value) if self.check is not None else None
+        if found:
+            return found
         if isinstance(value, (list, tuple)):
-            items = dataclasses.replace(self, check=None)
-            problems = [problem for problem in map(items.problem, value) if problem]
-            return problems[0] if problems else None
+            return next(filter(None, map(dataclasses.replace(self, check=None).problem, value)), None)
         if self.choices is not None and value not in self.choices:
             return f"must be one of {', '.join(map(str, self.choices))}, got {short_repr(value)}"
         if self.nonempty and value == "":
             return "must not be empty"
         if isinstance(value, float) and self.finite and not math.isfinite(value):
             return f"must be a finite number, got {value}"
-        bounds = [
-            (sign, bound)
-            for sign, bound in ((">=", self.min), (">", self.above), ("<=", self.max), ("<", self.below))
-            if bound is not None
-        ]
+        limits = {">=": self.min, ">": self.above, "<=": self.max, "<": self.below}
+        bounds = [(sign, bound) for sign, bound in limits.items() if bound is not None]
         if all(COMPARISONS[sign](value, bound) for sign, bound in bounds):  # nan fails every comparison
             if type(value) is int and not -INT_LIMIT <= value < INT_LIMIT:
                 return f"must be an integer of at most 64 bits, got {short_repr(value)}"
@@ -187,22 +174,14 @@ def settings(config_cls: type) -> list[Setting]:
                 f"{config_cls.__name__}.{spec.name}: type {hints[spec.name]} is not supported (use int, float, str, "
                 "bool, list[int | float | str], tuple[int | float | str, ...], or one of them | None)"
             )
-        if spec.default is not dataclasses.MISSING:
-            default = spec.default
-        elif spec.default_factory is not dataclasses.MISSING:
+        default = spec.default
+        if default is dataclasses.MISSING:
+            if spec.default_factory is dataclasses.MISSING:
+                raise TypeError(f"{config_cls.__name__}.{spec.name} needs a default")
             default = spec.default_factory()
-        else:
-            raise TypeError(f"{config_cls.__name__}.{spec.name} needs a default")
+        meta = spec.metadata
         found.append(
-            Setting(
-                spec.name,
-                hint,
-                optional,
-                default,
-                spec.metadata.get("help", ""),
-                spec.metadata.get("rules", Rules()),
-                container,
-            )
+            Setting(spec.name, hint, optional, default, meta.get("help", ""), meta.get("rules", Rules()), container)
         )
     return found
 
@@ -265,38 +244,19 @@ def build_parser(config_cls: type) -> argparse.ArgumentParser:
     order = sorted(dict.fromkeys(owners), key=lambda owner: owner is not config_cls)
     groups = {owner: parser.add_argument_group(group_title(owner)) for owner in order}
     for setting, owner in zip(fields, owners, strict=True):
-        group = groups[owner]
+        kind: dict[str, Any]
         if setting.type is bool:
-            group.add_argument(
-                flag(setting.name),
-                dest=setting.name,
-                action=argparse.BooleanOptionalAction,
-                default=setting.default,
-                help=setting.help,
-            )
-            continue
-        if setting.container is not None:
-            group.add_argument(
-                flag(setting.name),
-                dest=setting.name,
-                default=setting.default,
-                help=setting.help,
-                nargs="*",
-                metavar=setting.type.__name__.upper(),
-                action=_Items,
-                setting=setting,
-            )
-            continue
-        choices = setting.rules.choices
-        if choices is not None and setting.optional:
-            choices = (*choices, None)
-        group.add_argument(
-            flag(setting.name),
-            dest=setting.name,
-            default=setting.default,
-            help=setting.help,
-            type=_or_none(setting.type) if setting.optional else setting.type,
-            choices=choices,
+            kind = {"action": argparse.BooleanOptionalAction}
+        elif setting.container is not None:
+            kind = {"nargs": "*", "metavar": setting.type.__name__.upper(), "action": _Items, "setting": setting}
+        else:
+            choices = setting.rules.choices
+            kind = {
+                "type": _or_none(setting.type) if setting.optional else setting.type,
+                "choices": (*choices, None) if choices is not None and setting.optional else choices,
+            }
+        groups[owner].add_argument(
+            flag(setting.name), dest=setting.name, default=setting.default, help=setting.help, **kind
         )
     return parser
 
@@ -350,11 +310,8 @@ def _from_toml(setting: Setting, value: Any) -> Any:
 
 
 def read_config_file(path: str, config_cls: type) -> dict[str, Any]:
-    """The settings a TOML file sets, by field name; ValueError with one line naming the file on any problem.
-
-    Whatever the file holds (any bytes, any size, values of any type or magnitude), the answer is a dict or that
-    ValueError: never another exception.
-    """
+    """The settings a TOML file sets, by field name; ValueError with one line naming the file on any problem, and no
+    other exception whatever the file holds (any bytes, any size, values of any type or magnitude)."""
     try:
         with open(path, "rb") as handle:
             data = handle.read(MAX_CONFIG_BYTES + 1)
@@ -394,18 +351,12 @@ def read_config_file(path: str, config_cls: type) -> dict[str, Any]:
     return values
 
 
-def _config_path(argv: Sequence[str] | None) -> str | None:
-    """--config, read before the real parse so that the file's values can become the parser's defaults."""
-    first_pass = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    first_pass.add_argument("--config")
-    known, _ = first_pass.parse_known_args(argv)
-    return known.config
-
-
 def parse_args(argv: Sequence[str] | None, config_cls: type[SettingsT]) -> SettingsT:
     """Settings from --config FILE, then the command line on top; exit 2 with one line on the first bad value."""
     parser = build_parser(config_cls)
-    path = _config_path(argv)
+    first_pass = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    first_pass.add_argument("--config")  # read first, so that the file's values become the parser's defaults
+    path = first_pass.parse_known_args(argv)[0].config
     from_file: dict[str, Any] = {}
     if path is not None:
         try:
@@ -422,9 +373,7 @@ def parse_args(argv: Sequence[str] | None, config_cls: type[SettingsT]) -> Setti
             continue  # a default outside the choices means "decide at run time" (--wandb '')
         problem = setting.rules.problem(value)
         if problem:
-            in_file = setting.name in from_file and (
-                from_file[setting.name] is value or from_file[setting.name] == value
-            )
+            in_file = setting.name in from_file and from_file[setting.name] in (value,)  # `in`: nan is itself
             parser.error(
                 f"{flag(setting.name)} {problem}" + (f" (set by {setting.name} in --config {path})" if in_file else "")
             )
@@ -438,26 +387,16 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)  # repr of a float reads back bit for bit; inf and nan are TOML too
-    escaped = []
-    for char in value:
-        if char in '"\\':
-            escaped.append("\\" + char)
-        elif ord(char) < 0x20 or ord(char) == 0x7F:
-            escaped.append(f"\\u{ord(char):04X}")
-        else:
-            escaped.append(char)
-    return '"' + "".join(escaped) + '"'
+    escaped = re.sub(r'["\\]', lambda found: "\\" + found[0], value)
+    return '"' + re.sub(r"[\x00-\x1f\x7f]", lambda found: f"\\u{ord(found[0]):04X}", escaped) + '"'
 
 
 def to_toml(cfg: Any) -> str:
-    """The settings of `cfg` as a TOML file that --config reads back to an equal config.
-
-    None is left out where it is the default, and written as "none" where it is not.
-    """
-    lines = []
-    for setting in settings(type(cfg)):
-        value = getattr(cfg, setting.name)
-        if value is None and setting.default is None:
-            continue
-        lines.append(f"{setting.name} = {_toml_value('none' if value is None else value)}")
+    """The settings of `cfg` as a TOML file that --config reads back to an equal config. None is left out where it is
+    the default, and written as "none" where it is not."""
+    lines = [
+        f"{setting.name} = {_toml_value('none' if value is None else value)}"
+        for setting in settings(type(cfg))
+        if (value := getattr(cfg, setting.name)) is not None or setting.default is not None
+    ]
     return "\n".join(lines) + "\n"

@@ -1,22 +1,6 @@
-"""Experiment tracking: wandb and a local metrics file on rank 0, a tracker that does nothing everywhere else.
-
-The training loop calls `tracker.log(...)` on every rank and never asks which rank it is on. wandb is
-imported only when it is used. The run id (`run_id`) lives in the snapshot folder, so restarts and re-launches
-that resume from it continue the same wandb run.
-
-The metrics file (`--metrics-file`, JSON Lines) holds one object per logged step: `{"step": 120, "run_id": ...,
-"loss": ..., "lr": ..., "val_loss": ...}`, and the records of one run only:
-- A file with another run's records is moved aside to `metrics.<that run id>.jsonl` (one INFO line), and a file
-  `metrics.<this run id>.jsonl` (this run's records, moved aside by another run) is taken back.
-- A file another live job writes (it holds a lock on it) is left alone: this run writes `metrics.<run id>.jsonl`
-  beside it, with a warning; summary.json names the file a run wrote.
-- A resumed run first drops the records of steps after the snapshot it resumed from, so steps that are trained
-  again replace what the failed attempt wrote instead of repeating it: read the file top to bottom and every step
-  appears once. A job that trains with others (partners.py) may take their state and go on at a later step than
-  its snapshot's, keeping what it trained before it failed: it drops the records from the first step it logs on
-  instead. Each line is flushed as it is written; a crash loses at most the line being written, and a
-  partial last line is dropped at the next start. Lines that are no records (not UTF-8, not JSON) are left out,
-  with one warning.
+"""Experiment tracking: wandb and a local metrics file on rank 0, a tracker that does nothing everywhere else, so the
+training loop calls `tracker.log(...)` on every rank. The run id lives in the snapshot folder (run.json): restarts
+and re-launches that resume from it continue the same wandb run. wandb is imported only when it is used.
 """
 
 import json
@@ -32,6 +16,7 @@ from .batches import Progress, RunLength
 from .distributed import DistEnv
 from .nonfinite import NonfiniteGuard
 from .outputs import RUN_ID
+from .plot import records_in
 from .settings import RunError, flag, short_repr
 from .snapshot import RUN_FILE, SnapshotError, write_json_atomic
 from .step import Stepper
@@ -42,12 +27,9 @@ log = logging.getLogger(__name__)
 
 
 def run_id(env: DistEnv, snapshot_dir: str) -> str:
-    """This run's id, kept in the snapshot folder (run.json) and created on the first start.
-
-    Every restart and re-launch that resumes from the folder continues the same wandb run; `--resume never` sets
-    the folder aside, run.json with it, so a fresh start is a new run. Rank 0 reads or creates the file (with the
-    folder's job lock held: call it after Snapshots.prepare); every rank gets the id, or the same error.
-    """
+    """This run's id, created on the first start (`--resume never` sets run.json aside: a new run). Rank 0 reads or
+    creates the file (with the folder's job lock held: call it after Snapshots.prepare); every rank gets the id, or
+    the same error."""
     path = os.path.join(snapshot_dir, RUN_FILE)
     return distributed.decided_on_rank_0(env, lambda: _read_or_create_run_id(path), SnapshotError)
 
@@ -95,8 +77,6 @@ class WandbTracker(Tracker):
             import wandb
         except ImportError:
             raise RunError(f"{option} needs wandb: pip install wandb, or pass {flag('wandb')} disabled") from None
-
-        self._wandb = wandb
         try:
             self.run = wandb.init(project=project, id=run_id, resume="allow", mode=cast(WandbMode, mode), config=config)
         except wandb.errors.Error as exc:  # no API key, a key refused, no network: wandb's reason, on one line
@@ -119,12 +99,13 @@ class WandbTracker(Tracker):
 
 
 class MetricsFile(Tracker):
-    """JSON Lines on rank 0: one record per logged step, with this run's id, steps after `resumed_from` dropped first
-    (-1: a new run; None: the steps from the first one logged, when it is logged). The file holds one run's records
-    (see the module docstring).
-
-    Metrics logged for the step of the last line (validation after training metrics) are merged into it.
-    """
+    """JSON Lines on rank 0 (`--metrics-file`): one record per logged step, with this run's id, each line flushed as
+    it is written. The file holds one run's records (docs/fault-tolerance.md): another run's are moved aside to
+    `metrics.<its run id>.jsonl`, this run's own taken back from there; beside a file another live job holds, this
+    run writes `metrics.<run id>.jsonl`. The records of steps after `resumed_from` are dropped first, so steps
+    trained again replace the failed attempt's (-1: a new run; None: a job that took its partners' state drops
+    those from the first step it logs). Metrics logged for the step of the last line (validation after training
+    metrics) are merged into it."""
 
     def __init__(self, path: str, run_id: str, resumed_from: int | None):
         self.run_id = run_id
@@ -132,7 +113,7 @@ class MetricsFile(Tracker):
         os.makedirs(os.path.dirname(self.metrics_file), exist_ok=True)
         fd = self._claim()
         content = outputs.read_held(fd)
-        records, skipped = _records(content)
+        records, skipped = records_in(content)
         if skipped:
             log.warning(
                 "%s: skipped %d line(s) that are not metrics records (not UTF-8 JSON objects with a step); they are "
@@ -163,10 +144,10 @@ class MetricsFile(Tracker):
         path, run_id = self.metrics_file, self.run_id
         own = outputs.run_path(path, run_id)
         fd = outputs.hold(path)
-        if fd is None and _run_ids(_read(path)) == {run_id}:  # this run's previous attempt, still exiting
+        if fd is None and set(_run_ids(_read(path))) == {run_id}:  # this run's previous attempt, still exiting
             fd = outputs.hold(path, wait=outputs.OWN_FILE_WAIT_S)
         if fd is not None:
-            foreign = [found for found in _run_ids_in_order(outputs.read_held(fd)) if found != run_id]
+            foreign = [found for found in _run_ids(outputs.read_held(fd)) if found != run_id]
             if foreign:
                 owner = foreign[-1] if isinstance(foreign[-1], str) and RUN_ID.match(foreign[-1]) else None
                 aside = outputs.aside_path(path, owner)
@@ -181,7 +162,7 @@ class MetricsFile(Tracker):
             if fd is None:
                 raise RunError(f"another process holds {own}, this run's metrics file: is this run running twice?")
             return fd
-        if os.path.exists(own) and not _records(outputs.read_held(fd))[0]:  # this run's records, set aside
+        if os.path.exists(own) and not records_in(outputs.read_held(fd))[0]:  # this run's records, set aside
             fd = outputs.replace_held(fd, path, _read(own))
             os.remove(own)
             log.info("this run's metrics records are back in %s from %s", path, own)
@@ -289,42 +270,8 @@ def _read(path: str) -> bytes:
         return b""
 
 
-def _records(content: bytes) -> tuple[list[tuple[dict, bytes]], int]:
-    """The records in a metrics file's bytes, each with its line, and the number of other lines (not counting a
-    partial last line: what a crash leaves)."""
-    lines = content.split(b"\n")
-    partial = lines.pop()
-    records, skipped = [], 0
-    for line in lines:
-        record = _record(line)
-        if record is not None:
-            records.append((record, line + b"\n"))
-        elif line.strip():
-            skipped += 1
-    record = _record(partial)
-    if record is not None:  # complete but for its newline
-        records.append((record, partial + b"\n"))
-    return records, skipped
-
-
-def _record(line: bytes) -> dict | None:
-    """A line's record, or None when it is no JSON object with an integer step (garbage, a partial line)."""
-    try:
-        record = json.loads(line.decode("utf-8"))
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
-        return None
-    if not isinstance(record, dict):
-        return None
-    step = record.get("step")
-    return record if isinstance(step, int) and not isinstance(step, bool) else None
-
-
-def _run_ids_in_order(content: bytes) -> list:
-    return [record.get("run_id") for record, _ in _records(content)[0]]
-
-
-def _run_ids(content: bytes) -> set:
-    return set(_run_ids_in_order(content))
+def _run_ids(content: bytes) -> list:
+    return [record.get("run_id") for record, _ in records_in(content)[0]]
 
 
 def _plain(value):
@@ -334,14 +281,9 @@ def _plain(value):
 
 
 def make_tracker(
-    env: DistEnv,
-    mode: str,
-    project: str,
-    run_id: str,
-    config: dict,
-    metrics_file: str = "",
-    resumed_from: int | None = -1,
+    env: DistEnv, mode: str, project: str, run_id: str, config: dict, metrics_file: str, resumed_from: int | None
 ) -> Tracker:
+    """What rank 0 tracks to (a metrics file, wandb); a tracker that does nothing on the others."""
     if not env.is_main:
         return Tracker()
     trackers: list[Tracker] = []
