@@ -1,12 +1,7 @@
-"""A NaN or infinite loss or gradient: the check that stops the run (`check_finite`, at each log and snapshot), and
-where it came from: the step that made it, trained again from the newest snapshot before it, with hooks that name,
-in this order, a batch that holds NaN or infinity, the first module whose forward output was not finite, a loss
-made non-finite from finite outputs, or else the first parameter whose gradient was not finite.
-
-Exact resume makes the replay faithful: the same weights, data and random streams give the same numbers (CPU, the
-same number of ranks and threads). It runs only once a run has already failed, so a healthy run pays nothing for
-it. The replay trains in this process, on the run's own model, optimizer and data, whose state it first takes
-back from the snapshot; the run then stops, so nothing it trains is kept.
+"""A NaN or infinite loss or gradient: the check that stops the run (at each log and snapshot), and where it came
+from: the step, trained again in this process from the newest snapshot before it (exact resume makes the replay
+faithful), with hooks that name the batch, module, loss or parameter that first turned non-finite. Only a run that
+has already failed pays for it; the run then stops, so nothing the replay trains is kept.
 """
 
 from __future__ import annotations
@@ -56,9 +51,8 @@ class Run(Protocol):
 
 @dataclass
 class Origin:
-    """What the replay saw on one rank: whether the step's batch held NaN or infinity, the first module whose output
-    and the first parameter whose own gradient (before the ranks average it) were not finite, by qualified name (None
-    where all were), and whether the step's loss was not finite."""
+    """What the replay saw on one rank: the first non-finite module output and parameter gradient (before the ranks
+    average it), by qualified name, and whether the batch or the loss held NaN or infinity."""
 
     batch: bool = False
     module: str | None = None
@@ -123,8 +117,7 @@ def watching(model: nn.Module) -> Iterator[Origin]:
 
 
 def describe(origins: list[Origin], step: int) -> str:
-    """Where the replay of `step` saw it first, per rank: the batch, modules' outputs, the loss, parameters'
-    gradients."""
+    """Where the replay of `step` saw it first, over the ranks: the batch, a module's output, the loss, a gradient."""
     batches = [rank for rank, o in enumerate(origins) if o.batch]
     if batches:
         return f"the batch of step {step} on {_ranks(batches)} holds NaN or infinity: check the data"
@@ -164,8 +157,7 @@ def replay_command(env: DistEnv, snapshot_step: int, bad_step: int) -> str:
 
 
 class NonfiniteGuard:
-    """The run's watch over NaN and infinity: the last step it found every loss and gradient so far finite, the
-    check at each log and snapshot that stops the run (every rank at once), and the replay naming the origin."""
+    """The run's watch over NaN and infinity: the check at each log and snapshot that stops every rank at once."""
 
     def __init__(self, run: Run):
         # Not a reference that keeps the run alive: the Trainer and its process group's threads go when train()
@@ -174,9 +166,8 @@ class NonfiniteGuard:
         self.finite_until = -1  # the last step check() found every loss and gradient so far finite
 
     def check(self) -> None:
-        """Stop the run when a step so far had a NaN or infinite loss or gradient: the weights it made are not
-        saved, and the newest snapshot is from before it. Once a step (a step that both logs and saves asks twice;
-        every rank alike)."""
+        """Stop the run when a step so far had a NaN or infinite loss or gradient, before its weights are saved.
+        Once a step (one that both logs and saves asks twice; every rank alike)."""
         run = self.run
         if self.finite_until == run.progress.step:
             return
@@ -215,8 +206,7 @@ class NonfiniteGuard:
             ) from None
 
     def rerun_advice(self) -> str:
-        """What running the same command again does once a run stopped on a non-finite value: resume from the
-        newest snapshot, which is from before it, or start from scratch when none was saved."""
+        """What running the same command again does once a run stopped on a non-finite value."""
         last_saved = self.run.checkpointer.last_saved
         if last_saved is None:
             return (

@@ -1,15 +1,9 @@
 """A run's start: its parts built from the user's hooks and settings, restored from the newest good snapshot.
 
-What a resume takes from the snapshot, and what from the command line (or --config) of the new launch:
-- From the snapshot: every part of state.py (weights, optimizer state, scheduler, scaler, step, data position,
-  every rank's random streams), the run id, and the run's length in samples (see `RunLength`).
-- From the command line: everything else, applied from the first resumed step. The default learning-rate schedule
-  is a function of the samples seen, so a new --lr, --warmup-steps, --max-steps or --epochs rescales it; an
-  optimizer hyperparameter that build_optimizer makes differently with the new settings applies, group by group (a
-  new --weight-decay applies, a no-decay group stays no-decay; the others, those a scheduler drives among them,
-  come from the snapshot: optim.OptimizerPart); --batch-size and --grad-accum change the step size
-  while the data position stays exact in samples. The changed settings are logged once.
-- A snapshot of another model (other layer names or shapes) stops the run with one line: use --resume never.
+A resume takes every part of state.py, the run id and the run's length in samples (`RunLength`) from the snapshot;
+everything else comes from the new launch's settings, applied from the first resumed step and logged once: a new
+--lr or --warmup-steps rescales the default schedule, a changed hyperparameter applies (optim.OptimizerPart), and
+--batch-size or --grad-accum change the step size while the data position stays exact in samples.
 """
 
 from __future__ import annotations
@@ -88,8 +82,7 @@ def check_same_data(env: distributed.DistEnv, train: Any, val: Any) -> None:
 
 
 def build_and_restore(run: Building) -> Start:
-    """The run id, the optimizer, the schedule and the data, restored from the newest good snapshot if there is
-    one."""
+    """The run id, the optimizer, the schedule and the data, restored from the newest good snapshot if any."""
     cfg, env, user, parallel, snapshots = run.cfg, run.env, run.user, run.parallel, run.snapshots
     train_data, global_batch = run.train_data, run.global_batch
     try:
