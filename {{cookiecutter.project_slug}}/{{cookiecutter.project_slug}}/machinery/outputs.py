@@ -198,11 +198,9 @@ class ExportFolder:
             if _owner(self.directory, None) == run_id:  # this run's previous attempt, still exiting
                 fd = hold(os.path.join(self.directory, OWNER_FILE), wait=OWN_FILE_WAIT_S)
             if fd is None:
+                holder = _owner(self.directory, None) or "of unknown id"
                 log.warning(
-                    "%s is in use by another running job (run %s): this run exports to %s",
-                    self.directory,
-                    _owner(self.directory, None) or "of unknown id",
-                    own,
+                    f"{self.directory} is in use by another running job (run {holder}): this run exports to {own}"
                 )
                 self.directory = own
                 os.makedirs(own, exist_ok=True)
@@ -217,11 +215,8 @@ class ExportFolder:
                 aside = aside_path(self.directory, owner, folder=True)
                 _move(self.directory, aside, present, owner)
                 log.info(
-                    "%s held the files of run %s (%s): moved them aside to %s",
-                    self.directory,
-                    owner or "of unknown id",
-                    ", ".join(present),
-                    aside,
+                    f"{self.directory} held the files of run {owner or 'of unknown id'} ({', '.join(present)}): moved "
+                    f"them aside to {aside}"
                 )
             if self.directory != own and os.path.isdir(own):  # this run's files, set aside by another run
                 back = [name for name in EXPORT_FILES if os.path.lexists(os.path.join(own, name))]
@@ -231,7 +226,7 @@ class ExportFolder:
                 if not os.listdir(own):
                     os.rmdir(own)
                 if back:
-                    log.info("this run's exported files are back in %s from %s", self.directory, own)
+                    log.info(f"this run's exported files are back in {self.directory} from {own}")
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"run_id": run_id}).encode())
 

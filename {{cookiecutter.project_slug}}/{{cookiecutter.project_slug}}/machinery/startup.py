@@ -97,7 +97,7 @@ def build_and_restore(run: Trainer) -> Start:
 
     optimizer = as_optimizer((user.build_optimizer or default_optimizer)(cfg, model))
     for line in optimizer_warnings(model, optimizer):
-        warn(env, "%s", line)
+        warn(env, line)
     user_scheduler = None
     if user.build_scheduler is not None:
         scheduler = user.build_scheduler(cfg, optimizer, length.total_steps)
@@ -170,11 +170,9 @@ def check_resumable(cfg: Any, env: DistEnv, stream: bool, resumed: dict, folder:
             )
         warn(
             env,
-            "the snapshot was written by %d rank(s) and this job has %d: model, optimizer and data position (by "
-            "samples seen) are restored and every rank's random streams are re-seeded, so this run will not "
-            "match an uninterrupted one bit for bit",
-            resumed["world_size"],
-            env.world_size,
+            f"the snapshot was written by {resumed['world_size']} rank(s) and this job has {env.world_size}: model, "
+            "optimizer and data position (by samples seen) are restored and every rank's random streams are "
+            "re-seeded, so this run will not match an uninterrupted one bit for bit",
         )
 
 
@@ -187,7 +185,7 @@ def log_changed_settings(
         if hasattr(cfg, key) and value != getattr(cfg, key)
     ]
     if changed:
-        log.info("settings changed since %s was written (applied from now on): %s", folder, ", ".join(changed))
+        log.info(f"settings changed since {folder} was written (applied from now on): {', '.join(changed)}")
     reshaped = [
         f"{flag(key)} {resumed['config'][key]!r} -> {getattr(cfg, key)!r}"
         for key in SCHEDULE_SETTINGS
@@ -196,50 +194,40 @@ def log_changed_settings(
     if cfg.resume_from and reshaped:
         warn(
             env,
-            "this replay changes the learning-rate schedule (%s): its steps are not the run's; give the run's own "
-            "values to replay them exactly",
-            ", ".join(reshaped),
+            f"this replay changes the learning-rate schedule ({', '.join(reshaped)}): its steps are not the run's; "
+            "give the run's own values to replay them exactly",
         )
     if user_scheduler is not None and user_scheduler.rescaled:
+        ratios = ", ".join(f"{old:.3g} -> {new:.3g}" for old, new in user_scheduler.rescaled)
         log.info(
-            "build_scheduler's base learning rates follow build_optimizer's now (%s): the restored learning "
-            "rates are rescaled by the same ratio",
-            ", ".join(f"{old:.3g} -> {new:.3g}" for old, new in user_scheduler.rescaled),
+            f"build_scheduler's base learning rates follow build_optimizer's now ({ratios}): the restored learning "
+            "rates are rescaled by the same ratio"
         )
     elif user_scheduler is not None and resumed["config"].get("lr") != cfg.lr:
         warn(
             env,
-            "%s changed, but the learning rates build_optimizer in model.py makes did not: your optimizer "
+            f"{flag('lr')} changed, but the learning rates build_optimizer in model.py makes did not: your optimizer "
             "does not take cfg.lr, so the change does not reach your schedule",
-            flag("lr"),
         )
 
 
 def log_start(cfg: Any, env: DistEnv, start: Start, global_batch: int, user: UserCode) -> None:
-    length = start.length
+    length, steps = start.length, start.length.samples // start.length.step_samples
+    parameters = sum(p.numel() for p in start.stepper.parallel.model.parameters())
     log.info(
-        "%s run %s from step %d of %d: %d rank(s) x batch %d x accum %d = %d samples/step, %d parameters",
-        "resuming" if start.resumed_from >= 0 else "training",
-        start.run_id,
-        start.progress.step,
-        length.total_steps,
-        env.world_size,
-        cfg.batch_size,
-        cfg.grad_accum,
-        global_batch,
-        sum(p.numel() for p in start.stepper.parallel.model.parameters()),
+        f"{'resuming' if start.resumed_from >= 0 else 'training'} run {start.run_id} from step {start.progress.step} "
+        f"of {length.total_steps}: {env.world_size} rank(s) x batch {cfg.batch_size} x accum {cfg.grad_accum} = "
+        f"{global_batch} samples/step, {parameters} parameters"
     )
-    if user.build_scheduler is None and cfg.warmup_steps >= length.samples // length.step_samples:
+    if user.build_scheduler is None and cfg.warmup_steps >= steps:
         warn(
             env,
-            "%s %d is not shorter than the run (%d steps): the learning rate never reaches its peak",
-            flag("warmup_steps"),
-            cfg.warmup_steps,
-            length.samples // length.step_samples,
+            f"{flag('warmup_steps')} {cfg.warmup_steps} is not shorter than the run ({steps} steps): the learning rate "
+            "never reaches its peak",
         )
     if cfg.amp == "fp16" and env.device.type != "cuda":
-        warn(env, "%s fp16 without CUDA runs without a gradient scaler; prefer bf16 on CPU", flag("amp"))
+        warn(env, f"{flag('amp')} fp16 without CUDA runs without a gradient scaler; prefer bf16 on CPU")
 
 
-def warn(env: DistEnv, message: str, *args: Any) -> None:
-    logs.warn_from_rank_0(log, env.is_main, message, *args)
+def warn(env: DistEnv, message: str) -> None:
+    logs.warn_from_rank_0(log, env.is_main, message)
