@@ -193,20 +193,16 @@ class ExportFolder:
     def _claim(self, run_id: str) -> None:
         own = run_path(self.directory, run_id, folder=True)
         os.makedirs(self.directory, exist_ok=True)
-        fd = hold(os.path.join(self.directory, OWNER_FILE))
+        wait = OWN_FILE_WAIT_S if _owner(self.directory, None) == run_id else 0  # this run's previous attempt, exiting
+        fd = hold(os.path.join(self.directory, OWNER_FILE), wait)
         if fd is None:
-            if _owner(self.directory, None) == run_id:  # this run's previous attempt, still exiting
-                fd = hold(os.path.join(self.directory, OWNER_FILE), wait=OWN_FILE_WAIT_S)
+            holder = _owner(self.directory, None) or "of unknown id"
+            log.warning(f"{self.directory} is in use by another running job (run {holder}): this run exports to {own}")
+            self.directory = own
+            os.makedirs(own, exist_ok=True)
+            fd = hold(os.path.join(own, OWNER_FILE), wait=OWN_FILE_WAIT_S)
             if fd is None:
-                holder = _owner(self.directory, None) or "of unknown id"
-                log.warning(
-                    f"{self.directory} is in use by another running job (run {holder}): this run exports to {own}"
-                )
-                self.directory = own
-                os.makedirs(own, exist_ok=True)
-                fd = hold(os.path.join(own, OWNER_FILE), wait=OWN_FILE_WAIT_S)
-                if fd is None:
-                    raise OSError(f"another process holds {os.path.join(own, OWNER_FILE)}")
+                raise OSError(f"another process holds {os.path.join(own, OWNER_FILE)}")
         self._fd = fd
         owner = _owner(self.directory, fd)
         if owner != run_id:
@@ -221,8 +217,7 @@ class ExportFolder:
             if self.directory != own and os.path.isdir(own):  # this run's files, set aside by another run
                 back = [name for name in EXPORT_FILES if os.path.lexists(os.path.join(own, name))]
                 _move(own, self.directory, back, None)
-                if os.path.exists(os.path.join(own, OWNER_FILE)):
-                    os.remove(os.path.join(own, OWNER_FILE))
+                Path(own, OWNER_FILE).unlink(missing_ok=True)
                 if not os.listdir(own):
                     os.rmdir(own)
                 if back:

@@ -98,12 +98,11 @@ def build_and_restore(run: Trainer) -> Start:
     optimizer = as_optimizer((user.build_optimizer or default_optimizer)(cfg, model))
     for line in optimizer_warnings(model, optimizer):
         warn(env, line)
-    user_scheduler = None
     if user.build_scheduler is not None:
         scheduler = user.build_scheduler(cfg, optimizer, length.total_steps)
-        user_scheduler = SchedulerPart(scheduler)
     else:
         scheduler = SampleSchedule(optimizer, length, progress)
+    user_scheduler = SchedulerPart(scheduler) if user.build_scheduler is not None else None
     scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16" and env.device.type == "cuda")
     if stream:
         batches: Batches | StreamBatches = StreamBatches(train_data, cfg, env, progress, user.collate)
