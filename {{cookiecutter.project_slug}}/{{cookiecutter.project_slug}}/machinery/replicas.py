@@ -3,7 +3,12 @@
 Each replica group is a torchrun job of its own (DDP among its ranks, its own restarts); the groups average their
 gradients and floating-point buffers through torchft, which forms a quorum of the live groups at every step. When a
 rank dies only its group restarts, and takes a live group's weights, optimizer state and data position over the
-network. docs/replica-groups.md says how to launch it and what changes against plain torchrun.
+network. docs/replica-groups.md says what changes against plain torchrun, and how to launch it:
+
+    torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 --heartbeat_timeout_ms 500 &   # one per job
+    export TORCHFT_LIGHTHOUSE=http://HOST:29510 NUM_REPLICA_GROUPS=2
+    REPLICA_GROUP_ID=0 torchrun --standalone --nproc_per_node=N --max-restarts=3 train.py --fault-tolerance torchft &
+    REPLICA_GROUP_ID=1 torchrun --standalone --nproc_per_node=N --max-restarts=3 train.py --fault-tolerance torchft
 
 How a step runs: torchft forms the quorum while the step computes (in a thread of its own); each of DDP's gradient
 buckets, once averaged within the group, is averaged over the groups while backward computes the next ones (DDP's
@@ -254,8 +259,7 @@ class ReplicaGroup(Partners):
         return go_on
 
     def attach(self, ddp: Any) -> None:
-        """Average the gradients over the groups during backward, bucket by bucket as DDP fills them (its
-        communication hook): the groups' all-reduce of a bucket runs while backward computes the next ones."""
+        """Average the gradients over the groups during backward, bucket by bucket as DDP fills them."""
         from torch.nn.parallel import DistributedDataParallel
 
         if not isinstance(ddp, DistributedDataParallel):
@@ -265,9 +269,8 @@ class ReplicaGroup(Partners):
         ddp.register_comm_hook(None, lambda state, bucket: self._comm_hook(bucket))
 
     def _comm_hook(self, bucket: Any) -> Any:
-        """One of DDP's gradient buckets is ready: average it over the group's ranks, as DDP does, and over the
-        replica groups. The groups' average is started here and waited for in average_and_commit; DDP gets the
-        bucket back at once (its gradients are views into it: the average lands in them in place)."""
+        """A DDP gradient bucket is ready: start its average over the group's ranks and over the replica groups
+        (waited for in average_and_commit); DDP gets it back at once, its gradients views the average lands in."""
         import torch.distributed as dist
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -333,7 +336,10 @@ class ReplicaGroup(Partners):
                     pending.work.wait()  # an error is recorded, not raised: should_commit says False
             else:  # token-weighted: the gradients scaled within the group after backward
                 trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
-                self._average_flat([self._gradient(parameter) for parameter in trained])
+                for parameter in trained:
+                    if parameter.grad is None:  # unused in this group's batch: zero, as DDP treats it
+                        parameter.grad = torch.zeros_like(parameter)
+                self._average_flat([parameter.grad for parameter in trained])
             self._average_flat([buffer.data for buffer in model.buffers() if buffer.is_floating_point()])
         finally:
             self._pending = []
@@ -347,12 +353,6 @@ class ReplicaGroup(Partners):
                 f"(a replica group failed during it: {_first_line(cause)[:200]})"
             )
         return committed
-
-    @staticmethod
-    def _gradient(parameter: Any) -> Any:
-        if parameter.grad is None:  # unused in this group's batch: zero, as DDP treats it
-            parameter.grad = torch.zeros_like(parameter)
-        return parameter.grad
 
     def _average_flat(self, tensors: list) -> None:
         """Average tensors over the groups in one all-reduce per dtype and device, through a flat copy."""
