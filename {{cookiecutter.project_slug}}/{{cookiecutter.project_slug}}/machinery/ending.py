@@ -4,35 +4,20 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
 from . import identity, logs
 from .report import Summary, val_text, write_summary
 from .snapshot import step_name, write_json_atomic
 from .stop import STOP_RECORD, StopRequest
 
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
 log = logging.getLogger(__name__)
 
 
-class Ending(Protocol):
-    """What a run's end reads and calls of the run (trainer.py)."""
-
-    cfg: Any
-    env: Any
-    progress: Any
-    length: Any
-    parallel: Any
-    snapshots: Any
-    checkpointer: Any
-    exports: Any
-    run_id: str
-    metrics_file: str
-    resumed_from: int
-
-    def warn_from_rank_0(self, message: str, *args: Any) -> None: ...
-
-
-def finish(trainer: Ending, stop: StopRequest) -> Summary:
+def finish(trainer: Trainer, stop: StopRequest) -> Summary:
     """Final snapshot, export and summary (also for a run that was already complete when it started)."""
     # The flag-only handlers stay until train() leaves its StopRequest: torchrun SIGTERMs this rank as soon as
     # another stopped rank has exited, and the default action would end it before its stop record is written
@@ -41,10 +26,8 @@ def finish(trainer: Ending, stop: StopRequest) -> Summary:
     stopped = stop.stopped
     if stopped:
         trainer.warn_from_rank_0(
-            "stopping at step %d of %d on signal %d: saving a snapshot; run the same command again to resume",
-            trainer.progress.step,
-            trainer.length.total_steps,
-            stop.signal,
+            f"stopping at step {trainer.progress.step} of {trainer.length.total_steps} on signal {stop.signal}: saving "
+            "a snapshot; run the same command again to resume"
         )
     if trainer.checkpointer.last_saved != trainer.progress.step:
         trainer.checkpointer.save(blocking=True)
@@ -63,33 +46,23 @@ def finish(trainer: Ending, stop: StopRequest) -> Summary:
         trainer.exports.publish()
     if summary.already_complete:
         log.info(
-            "already complete: %d of %d steps, last loss %.4f%s; nothing to train (raise --max-steps or "
-            "--epochs to train on, or pass --resume never to start over)",
-            summary.steps,
-            summary.total_steps,
-            summary.last_loss,
-            val_text(summary),
+            f"already complete: {summary.steps} of {summary.total_steps} steps, last loss {summary.last_loss:.4f}"
+            f"{val_text(summary)}; nothing to train (raise --max-steps or --epochs to train on, or pass --resume never "
+            "to start over)"
         )
     elif not stopped:
+        resumed = f" (resumed at step {trainer.resumed_from})" if trainer.resumed_from >= 0 else ""
         log.info(
-            "done: %d rank(s), %d steps%s, loss %.4f -> %.4f%s",
-            summary.world_size,
-            summary.steps,
-            f" (resumed at step {trainer.resumed_from})" if trainer.resumed_from >= 0 else "",
-            summary.first_loss,
-            summary.last_loss,
-            val_text(summary),
+            f"done: {summary.world_size} rank(s), {summary.steps} steps{resumed}, loss {summary.first_loss:.4f} -> "
+            f"{summary.last_loss:.4f}{val_text(summary)}"
         )
     log.info(
-        "snapshots: %s (newest %s); exported weights: %s",
-        summary.snapshot_dir,
-        summary.newest_snapshot,
-        summary.export_dir,
+        f"snapshots: {summary.snapshot_dir} (newest {summary.newest_snapshot}); exported weights: {summary.export_dir}"
     )
     return summary
 
 
-def run_summary(trainer: Ending, already_complete: bool, stop_signal: int) -> Summary:
+def run_summary(trainer: Trainer, already_complete: bool, stop_signal: int) -> Summary:
     cfg, progress = trainer.cfg, trainer.progress
     return Summary(
         run_id=trainer.run_id,

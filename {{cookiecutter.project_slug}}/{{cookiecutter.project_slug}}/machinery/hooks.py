@@ -15,15 +15,9 @@
 | model.py | extra_state(cfg, model, optimizer) -> {name: part} | no              | model, optimizer, ... only        |
 | model.py | pretrained_weights(cfg) -> path or None       | no                   | build_model's own weights         |
 
-A top-level function of model.py or data.py whose name is close to a hook's but not one (`build_optimiser`) is
-named in a warning at start-up: it would otherwise be ignored without a word; so is a val_metrics that compute_loss
-makes unused.
-
-Each hook is called through `Hook`: an exception it raises carries the hook's name (faults.py says it in one line
-with the user's own frame), and what the builders return is checked where it is made, in one line naming the hook.
-The first training step's kind (a mean, a sum with a count, or refused) is agreed by every rank before any
-collective of that step, so ranks that disagree are told at once instead of waiting for each other until
---dist-timeout.
+A top-level function named close to a hook (`build_optimiser`), which would be ignored without a word, is named in
+a warning at start-up; so is a val_metrics that compute_loss makes unused. A hook's exception carries its name
+(faults.py), and what a builder returns is checked where it is made, in one line naming the hook.
 """
 
 from __future__ import annotations
@@ -47,7 +41,7 @@ from .settings import RunError
 
 log = logging.getLogger(__name__)
 
-# file -> hooks it may define; the first of each file's are required.
+# file -> hooks it may define; the first of each file's is required.
 HOOKS: dict[str, tuple[str, ...]] = {
     "data": ("build_datasets", "collate", "prepare_data"),
     "model": (
@@ -62,7 +56,6 @@ HOOKS: dict[str, tuple[str, ...]] = {
         "pretrained_weights",
     ),
 }
-REQUIRED = {"data": ("build_datasets",), "model": ("build_model",)}
 
 
 @dataclass
@@ -103,22 +96,17 @@ KIND_NAMES = {MEAN: "a scalar tensor (a mean)", TOKEN_WEIGHTED: "a dict (a sum w
 
 
 class UserCode:
-    """model.py's and data.py's hooks, or their defaults; checked once, when the run starts.
-
-    `env` (the job's ranks): with it, the first training step's kind is agreed by every rank (see `step`).
-    """
+    """model.py's and data.py's hooks, or their defaults, checked at start; with `env`, every rank agrees on the
+    first training step's kind (`step`)."""
 
     def __init__(self, package: str, env: distributed.DistEnv | None = None):
         self.modules = {name: importlib.import_module(f"{package}.{name}") for name in HOOKS}
-        for file, names in REQUIRED.items():
-            for name in names:
-                if not callable(getattr(self.modules[file], name, None)):
-                    raise RunError(f"{file}.py has no function {name}: the trainer needs it (see machinery/hooks.py)")
+        for file, (name, *_) in HOOKS.items():
+            if not callable(getattr(self.modules[file], name, None)):
+                raise RunError(f"{file}.py has no function {name}: the trainer needs it (see machinery/hooks.py)")
         self.env, self._agreed = env, env is None
-        # once per machine, on its local rank 0, before any of its ranks builds the datasets (downloads, caches)
         self.prepare_data = self._hook("data", "prepare_data")
         self.build_datasets = self._hook("data", "build_datasets", _check_datasets)
-        # torch's default collate when data.py has none, so items that do not stack are told in one line
         self.collate: Callable[[list], Any] = self._hook("data", "collate") or Hook("collate", "data", _default_collate)
         self.build_model = self._hook("model", "build_model", _check_model)
         self.loss_fn = self._hook("model", "loss_fn")
@@ -149,27 +137,24 @@ class UserCode:
     def misspelled(self) -> list[str]:
         """One line per top-level function of model.py or data.py that looks like a misspelled hook."""
         lines = []
-        every_hook = [hook for hooks in HOOKS.values() for hook in hooks]
+        hook_files = {hook: file for file, hooks in HOOKS.items() for hook in hooks}
         for file, module in self.modules.items():
             for name, value in vars(module).items():
-                if name in every_hook or name.startswith("_") or not isinstance(value, types.FunctionType):
+                if name in hook_files or name.startswith("_") or not isinstance(value, types.FunctionType):
                     continue
                 if inspect.getmodule(value) is not module:
                     continue  # imported from elsewhere, not written here
-                close = difflib.get_close_matches(name, every_hook, n=1, cutoff=0.8)
+                close = difflib.get_close_matches(name, list(hook_files), n=1, cutoff=0.8)
                 if close:
-                    where = next(f for f, hooks in HOOKS.items() if close[0] in hooks)
                     lines.append(
                         f"{file}.py defines {name}, which is no hook the trainer calls: did you mean {close[0]} "
-                        f"(in {where}.py)? As it is, it is never called"
+                        f"(in {hook_files[close[0]]}.py)? As it is, it is never called"
                     )
         return lines
 
     def step(self, model: torch.nn.Module, batch: Any) -> StepResult:
         """One batch's loss through compute_loss, or loss_fn on an (inputs, targets) pair; with val_metrics' sums.
-
-        The first call in training mode agrees with the other ranks on the step's kind first (`_agree`).
-        """
+        The first call in training mode agrees with the other ranks on the step's kind (`_agree`)."""
         if self._agreed or not model.training:
             return self._step(model, batch)
         self._agreed = True

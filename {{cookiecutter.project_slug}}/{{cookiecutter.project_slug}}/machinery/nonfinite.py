@@ -1,12 +1,7 @@
-"""A NaN or infinite loss or gradient: the check that stops the run (`check_finite`, at each log and snapshot), and
-where it came from: the step that made it, trained again from the newest snapshot before it, with hooks that name,
-in this order, a batch that holds NaN or infinity, the first module whose forward output was not finite, a loss
-made non-finite from finite outputs, or else the first parameter whose gradient was not finite.
-
-Exact resume makes the replay faithful: the same weights, data and random streams give the same numbers (CPU, the
-same number of ranks and threads). It runs only once a run has already failed, so a healthy run pays nothing for
-it. The replay trains in this process, on the run's own model, optimizer and data, whose state it first takes
-back from the snapshot; the run then stops, so nothing it trains is kept.
+"""A NaN or infinite loss or gradient: the check that stops the run (at each log and snapshot), and where it came
+from: the step, trained again in this process from the newest snapshot before it (exact resume makes the replay
+faithful), with hooks that name the batch, module, loss or parameter that first turned non-finite. Only a run that
+has already failed pays for it; the run then stops, so nothing the replay trains is kept.
 """
 
 from __future__ import annotations
@@ -20,7 +15,7 @@ import sys
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -32,33 +27,17 @@ from .settings import RunError, flag
 from .snapshot import restore_rng
 from .state import all_finite
 
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
 log = logging.getLogger(__name__)
 REPLAY_FLAGS = ("--resume-from", "--break-at-step")
 
 
-class Run(Protocol):
-    """What the guard reads of the run it watches (trainer.py): the parts a replay trains with."""
-
-    env: DistEnv
-    model: nn.Module
-    snapshots: Any
-    state: Any
-    batches: Any
-    progress: Any
-    stepper: Any
-    partners: Any
-    checkpointer: Any  # its last_saved: the step of the newest snapshot this run has
-
-    def forward_backward(self, micro_batches: Any) -> None: ...
-
-    def optimizer_step(self) -> bool: ...
-
-
 @dataclass
 class Origin:
-    """What the replay saw on one rank: whether the step's batch held NaN or infinity, the first module whose output
-    and the first parameter whose own gradient (before the ranks average it) were not finite, by qualified name (None
-    where all were), and whether the step's loss was not finite."""
+    """What the replay saw on one rank: the first non-finite module output and parameter gradient (before the ranks
+    average it), by qualified name, and whether the batch or the loss held NaN or infinity."""
 
     batch: bool = False
     module: str | None = None
@@ -66,7 +45,7 @@ class Origin:
     loss: bool = False
 
 
-def replay(trainer: Run, bad_step: int) -> tuple[int, list[Origin]] | None:
+def replay(trainer: Trainer, bad_step: int) -> tuple[int, list[Origin]] | None:
     """Every rank together: (the snapshot step the replay started from, each rank's Origin at `bad_step`), or None
     when no snapshot before `bad_step` is kept (or the replay failed: the run's own error is the one to report)."""
     try:
@@ -77,6 +56,7 @@ def replay(trainer: Run, bad_step: int) -> tuple[int, list[Origin]] | None:
         rng_state = trainer.state.restore(resumed, trainer.snapshots.step_folder(resumed["step"]))
         if isinstance(trainer.batches, Batches):
             trainer.batches.restart()  # from the restored position (a stream's restarts with its restored place)
+        assert rng_state is not None  # the same ranks wrote it (rank_state)
         restore_rng(rng_state)  # last, as at any resume
         progress = trainer.progress
         while progress.step < bad_step - 1:
@@ -123,8 +103,7 @@ def watching(model: nn.Module) -> Iterator[Origin]:
 
 
 def describe(origins: list[Origin], step: int) -> str:
-    """Where the replay of `step` saw it first, per rank: the batch, modules' outputs, the loss, parameters'
-    gradients."""
+    """Where the replay of `step` saw it first, over the ranks: the batch, a module's output, the loss, a gradient."""
     batches = [rank for rank, o in enumerate(origins) if o.batch]
     if batches:
         return f"the batch of step {step} on {_ranks(batches)} holds NaN or infinity: check the data"
@@ -164,19 +143,17 @@ def replay_command(env: DistEnv, snapshot_step: int, bad_step: int) -> str:
 
 
 class NonfiniteGuard:
-    """The run's watch over NaN and infinity: the last step it found every loss and gradient so far finite, the
-    check at each log and snapshot that stops the run (every rank at once), and the replay naming the origin."""
+    """The run's watch over NaN and infinity: the check at each log and snapshot that stops every rank at once."""
 
-    def __init__(self, run: Run):
+    def __init__(self, run: Trainer):
         # Not a reference that keeps the run alive: the Trainer and its process group's threads go when train()
         # returns, not at the next garbage collection
-        self.run = cast(Run, weakref.proxy(run))
+        self.run = cast("Trainer", weakref.proxy(run))
         self.finite_until = -1  # the last step check() found every loss and gradient so far finite
 
     def check(self) -> None:
-        """Stop the run when a step so far had a NaN or infinite loss or gradient: the weights it made are not
-        saved, and the newest snapshot is from before it. Once a step (a step that both logs and saves asks twice;
-        every rank alike)."""
+        """Stop the run when a step so far had a NaN or infinite loss or gradient, before its weights are saved.
+        Once a step (one that both logs and saves asks twice; every rank alike)."""
         run = self.run
         if self.finite_until == run.progress.step:
             return
@@ -215,8 +192,7 @@ class NonfiniteGuard:
             ) from None
 
     def rerun_advice(self) -> str:
-        """What running the same command again does once a run stopped on a non-finite value: resume from the
-        newest snapshot, which is from before it, or start from scratch when none was saved."""
+        """What running the same command again does once a run stopped on a non-finite value."""
         last_saved = self.run.checkpointer.last_saved
         if last_saved is None:
             return (

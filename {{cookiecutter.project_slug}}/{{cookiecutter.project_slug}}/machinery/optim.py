@@ -1,12 +1,7 @@
 """The optimizer and the learning-rate schedule when model.py brings none, and how both resume.
 
-On resume the optimizer's state (moments, step counts) comes from the snapshot, and so do its hyperparameters,
-except those the current build_optimizer (and build_scheduler) make differently from the run that wrote the
-snapshot, group by group (`OptimizerPart`): a new --weight-decay applies, a no-decay group stays no-decay, and what a
-scheduler drives (OneCycleLR's betas or momentum) continues where it was. The learning rate is the scheduler's: the
-default schedule is a function of the samples seen and the current --lr and --warmup-steps, so it needs no state of
-its own; a user's LRScheduler is saved and restored whole (its position and base learning rates), SequentialLR and
-ChainedScheduler with each scheduler they hold.
+The default schedule is a function of the samples seen and the current --lr and --warmup-steps, so it needs no state
+of its own; the optimizer (`OptimizerPart`) and a user's LRScheduler (`SchedulerPart`) resume from the snapshot.
 """
 
 from __future__ import annotations
@@ -121,12 +116,10 @@ STARTED_WITH = "started_with"  # beside an optimizer's state in a snapshot: what
 
 
 class OptimizerPart:
-    """The optimizer as a snapshot part. Its state and hyperparameters come from the snapshot, but for each
-    hyperparameter that this run's start (build_optimizer, then build_scheduler) made differently from the start of
-    the run that wrote the snapshot: a setting changed since, which applies from now on. So a hyperparameter a
-    scheduler moves as it steps (OneCycleLR's betas or momentum) resumes where it was, not where a fresh scheduler
-    puts it. The learning rate is left as the snapshot has it: the scheduler restored after it sets it.
-    """
+    """The optimizer as a snapshot part: its state and hyperparameters from the snapshot, but for each hyperparameter
+    this run's start (build_optimizer, then build_scheduler) made differently from the snapshot's run's start: a new
+    --weight-decay applies, a no-decay group stays no-decay, and what a scheduler moves as it steps (OneCycleLR's
+    betas) resumes where it was. The learning rate is the scheduler's, restored after it."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
@@ -170,11 +163,9 @@ def scheduler_leaves(scheduler: LRScheduler) -> list[LRScheduler]:
 
 
 class SchedulerPart:
-    """Your LRScheduler as a snapshot part: its position from the snapshot, its base learning rates from the current
-    build_optimizer. A resume with another --lr (when build_optimizer uses it) thus reaches your schedule: the
-    restored learning rates are rescaled by new base / old base, which is exact for the schedules that scale with
-    the base rate (LambdaLR, StepLR, CosineAnnealingLR to 0, ...). Inside a SequentialLR or ChainedScheduler, every
-    scheduler takes the new base rates."""
+    """Your LRScheduler as a snapshot part: its position from the snapshot, its base learning rates (each inner
+    scheduler's too) from the current build_optimizer, so a resume with another --lr reaches it: the restored rates
+    are rescaled by new base / old base, exact for schedules that scale with the base (LambdaLR, StepLR, ...)."""
 
     def __init__(self, scheduler: LRScheduler):
         self.scheduler = scheduler
@@ -207,16 +198,9 @@ def unoptimized_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -
     return [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in held]
 
 
-def doubly_optimized_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """The names of the parameters in more than one group (of one optimizer, or of several): each step moves them
-    once per group."""
-    held = Counter(id(p) for group in optimizer.param_groups for p in group["params"])
-    return [name for name, p in model.named_parameters() if held[id(p)] > 1]
-
-
 def optimizer_warnings(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """One line per kind of parameter build_optimizer gets wrong: left out of every group, or in several."""
-    lines = []
+    lines, held = [], Counter(id(p) for group in optimizer.param_groups for p in group["params"])
     for names, what in (
         (
             unoptimized_parameters(model, optimizer),
@@ -224,7 +208,7 @@ def optimizer_warnings(model: nn.Module, optimizer: torch.optim.Optimizer) -> li
             "group, or set requires_grad=False on them",
         ),
         (
-            doubly_optimized_parameters(model, optimizer),
+            [name for name, p in model.named_parameters() if held[id(p)] > 1],
             "puts {count} parameter(s) in more than one group or optimizer: {names}. Each step moves them once "
             "per group: keep each parameter in one group only",
         ),

@@ -1,16 +1,11 @@
 """What a run writes outside its snapshot folder belongs to that run: the path flags, and who owns each file.
 
-- `check_paths`: --snapshot-dir, --export-dir, --metrics-file and --log-file are checked on rank 0 before anything
-  is built or trained: each names a folder (or file) of the right kind, not empty, in a place that can be written.
-  Otherwise one line names every bad flag and the run exits with code 2.
-- `ExportFolder`: the export folder holds one run's files. Rank 0 claims it with the run id (`run.json` in it,
-  and `run_id` in summary.json). What another run left there (model.pt, best.pt, summary.json) moves to the
-  sibling folder `<export-dir>.<its run id>`; a run that finds such a folder of its own takes its files back.
-  While another live job holds the folder, this run exports to `<export-dir>.<run id>` instead.
-- The metrics file (tracking.MetricsFile) follows the same rules, file by file: `metrics.<run id>.jsonl`.
-
-A live job holds its files with an exclusive lock (flock) on an open descriptor, released when the process ends
-however it ends: a file that a live process appends to is never moved or replaced under it.
+`check_paths` refuses, before anything is built, the path flags rank 0 cannot write (one line, exit code 2).
+`ExportFolder` claims the export folder for one run (`run.json`): another run's files there move aside to
+`<export-dir>.<its run id>` (and come back when that run starts again); while another live job holds the folder,
+this run exports to `<export-dir>.<run id>`. The metrics file (tracking.MetricsFile) follows the same rules. A live
+job holds its files with flock on an open descriptor, released however the process ends: a file that a live process
+appends to is never moved or replaced under it.
 """
 
 from __future__ import annotations
@@ -20,6 +15,7 @@ import logging
 import os
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 from . import distributed, logs, report
@@ -197,22 +193,16 @@ class ExportFolder:
     def _claim(self, run_id: str) -> None:
         own = run_path(self.directory, run_id, folder=True)
         os.makedirs(self.directory, exist_ok=True)
-        fd = hold(os.path.join(self.directory, OWNER_FILE))
+        wait = OWN_FILE_WAIT_S if _owner(self.directory, None) == run_id else 0  # this run's previous attempt, exiting
+        fd = hold(os.path.join(self.directory, OWNER_FILE), wait)
         if fd is None:
-            if _owner(self.directory, None) == run_id:  # this run's previous attempt, still exiting
-                fd = hold(os.path.join(self.directory, OWNER_FILE), wait=OWN_FILE_WAIT_S)
+            holder = _owner(self.directory, None) or "of unknown id"
+            log.warning(f"{self.directory} is in use by another running job (run {holder}): this run exports to {own}")
+            self.directory = own
+            os.makedirs(own, exist_ok=True)
+            fd = hold(os.path.join(own, OWNER_FILE), wait=OWN_FILE_WAIT_S)
             if fd is None:
-                log.warning(
-                    "%s is in use by another running job (run %s): this run exports to %s",
-                    self.directory,
-                    _owner(self.directory, None) or "of unknown id",
-                    own,
-                )
-                self.directory = own
-                os.makedirs(own, exist_ok=True)
-                fd = hold(os.path.join(own, OWNER_FILE), wait=OWN_FILE_WAIT_S)
-                if fd is None:
-                    raise OSError(f"another process holds {os.path.join(own, OWNER_FILE)}")
+                raise OSError(f"another process holds {os.path.join(own, OWNER_FILE)}")
         self._fd = fd
         owner = _owner(self.directory, fd)
         if owner != run_id:
@@ -221,21 +211,17 @@ class ExportFolder:
                 aside = aside_path(self.directory, owner, folder=True)
                 _move(self.directory, aside, present, owner)
                 log.info(
-                    "%s held the files of run %s (%s): moved them aside to %s",
-                    self.directory,
-                    owner or "of unknown id",
-                    ", ".join(present),
-                    aside,
+                    f"{self.directory} held the files of run {owner or 'of unknown id'} ({', '.join(present)}): moved "
+                    f"them aside to {aside}"
                 )
             if self.directory != own and os.path.isdir(own):  # this run's files, set aside by another run
                 back = [name for name in EXPORT_FILES if os.path.lexists(os.path.join(own, name))]
                 _move(own, self.directory, back, None)
-                if os.path.exists(os.path.join(own, OWNER_FILE)):
-                    os.remove(os.path.join(own, OWNER_FILE))
+                Path(own, OWNER_FILE).unlink(missing_ok=True)
                 if not os.listdir(own):
                     os.rmdir(own)
                 if back:
-                    log.info("this run's exported files are back in %s from %s", self.directory, own)
+                    log.info(f"this run's exported files are back in {self.directory} from {own}")
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"run_id": run_id}).encode())
 
@@ -248,16 +234,12 @@ class ExportFolder:
         """Rank 0, on a store: upload what the export folder holds (each file checked by reading it back)."""
         if self.store is None or self._fd is None:
             return
+        root = Path(self.directory)
         for name in EXPORT_FILES:
-            path = os.path.join(self.directory, name)
-            if os.path.isdir(path):
-                for folder, _, files in os.walk(path):
-                    for file in files:
-                        local = os.path.join(folder, file)
-                        entry = {"size": os.path.getsize(local), "sha256": sha256_file(local)}
-                        self.store.upload(local, os.path.relpath(local, self.directory).replace(os.sep, "/"), entry)
-            elif os.path.isfile(path):
-                self.store.upload(path, name, {"size": os.path.getsize(path), "sha256": sha256_file(path)})
+            for local in [root / name, *(root / name).rglob("*")]:  # a file, or a folder's files (hf/)
+                if local.is_file():
+                    entry = {"size": local.stat().st_size, "sha256": sha256_file(str(local))}
+                    self.store.upload(str(local), local.relative_to(root).as_posix(), entry)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -268,21 +250,16 @@ class ExportFolder:
 def _owner(directory: str, fd: int | None) -> str | None:
     """The run id the export folder's files belong to: its run.json, else its summary.json; None if neither says."""
     try:
-        text = read_held(fd) if fd is not None else _read(os.path.join(directory, OWNER_FILE))
+        text = read_held(fd) if fd is not None else Path(directory, OWNER_FILE).read_bytes()
         found = json.loads(text).get("run_id")
     except (OSError, ValueError, AttributeError, RecursionError):
         found = None
     if found is None:
         try:
-            found = json.loads(_read(os.path.join(directory, "summary.json"))).get("run_id")
+            found = json.loads(Path(directory, "summary.json").read_bytes()).get("run_id")
         except (OSError, ValueError, AttributeError, RecursionError):
             return None
     return found if isinstance(found, str) and RUN_ID.match(found) else None
-
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as handle:
-        return handle.read()
 
 
 def _move(source: str, target: str, names: list[str], owner: str | None) -> None:

@@ -67,12 +67,9 @@ class DistributedModel:
         self._settle_pending = False
 
     def wrap(self, resumed: bool, with_other_jobs: bool = False) -> None:
-        """DDP (under torchrun with 2 or more ranks, with --strategy ddp), then torch.compile if asked. A job of one
-        rank trains the model as it is: DDP would only copy its gradients into buckets and average them over one.
-
-        `with_other_jobs` (partners.py): DDP at any number of ranks, its buckets then averaged with the other jobs'
-        too, during backward. Every job's buckets must then line up, a restarted job's with those of the jobs that
-        trained on: each process settles its bucket order before its first step (settle_bucket_order)."""
+        """DDP (--strategy ddp with 2 or more ranks: for one, DDP would only copy its gradients into buckets), then
+        torch.compile if asked. `with_other_jobs` (partners.py): DDP at any number of ranks, its buckets averaged with
+        the other jobs' too, which must line up (settle_bucket_order)."""
         if (self.env.world_size > 1 or with_other_jobs) and not self.sharded:
             device_ids = [self.env.device.index] if self.env.device.type == "cuda" else None
             self.distributed = DistributedDataParallel(self.model, device_ids=device_ids, gradient_as_bucket_view=True)
@@ -95,14 +92,11 @@ class DistributedModel:
         """Give a resumed job's fresh DDP the gradient buckets an uninterrupted job has by now; once, before the
         first resumed step (a no-op otherwise).
 
-        DDP rebuilds its buckets in the order gradients arrive during the first backward; until then it uses an
-        initial layout. With 3 or more ranks gloo's ring all-reduce then sums in another order, so the first
-        resumed step would differ in the last bits from the uninterrupted run's; a job that joins the training of
-        others (partners.py) would average its buckets with theirs element by element in another layout (the caller
-        keeps the other jobs out of this backward). So this runs one extra forward and
-        backward through your model, in eval mode, on the step's first micro-batch (already on the device), with
-        the gradients thrown away and the random streams put back: the order is set, and the weights, the
-        optimizer, the buffers and the data position are unchanged.
+        DDP rebuilds its buckets in the order gradients arrive in the first backward. Until then, gloo's ring
+        all-reduce over 3 or more ranks sums in another order (the first resumed step would differ in the last
+        bits), and a job that joins others (partners.py) would average its buckets with theirs in another layout.
+        So: one extra forward and backward in eval mode on the step's first micro-batch, its gradients thrown away
+        and the random streams put back; weights, optimizer, buffers and data position are unchanged.
         """
         if not self._settle_pending:
             return

@@ -1,9 +1,7 @@
 """The jobs this one trains a model with, as the training loop sees them: a few hooks, called at fixed points.
 
-A run is one torchrun job, and `Partners` itself is a job that trains alone: every hook does nothing, and the loop
-reads the same either way. An optional part of the machinery, chosen when the project was generated, may let several
-jobs train one model together (averaging their gradients at every step) by subclassing it; `for_run` returns the
-one the settings ask for.
+`Partners` itself is a job that trains alone (every hook does nothing), so the loop reads the same either way; an
+optional part chosen at generation may subclass it to let several jobs train one model together (`for_run`).
 """
 
 from __future__ import annotations

@@ -1,47 +1,22 @@
 """Replica groups that keep training when one fails (`--fault-tolerance torchft`, opt-in), built on torchft.
 
-Without it, a torchrun job restarts every rank when one dies and resumes from the newest snapshot. With it, the
-job is split into replica groups: each group is a torchrun job of its own (its own ranks, DDP among them, its own
-restarts), and the groups average their gradients with each other through torchft, which forms a quorum of the
-live groups at every step (through its lighthouse). When a group's rank dies, only that group restarts; the other
-groups go on training, and the restarted group fetches the current weights, optimizer state and data position from
-a live group (over HTTP, not from disk) and rejoins at the step they are at.
+Each replica group is a torchrun job of its own (DDP among its ranks, its own restarts); the groups average their
+gradients and floating-point buffers through torchft, which forms a quorum of the live groups at every step. When a
+rank dies only its group restarts, and takes a live group's weights, optimizer state and data position over the
+network. docs/replica-groups.md says what changes against plain torchrun, and how to launch it:
 
     torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 --heartbeat_timeout_ms 500 &   # one per job
     export TORCHFT_LIGHTHOUSE=http://HOST:29510 NUM_REPLICA_GROUPS=2
     REPLICA_GROUP_ID=0 torchrun --standalone --nproc_per_node=N --max-restarts=3 train.py --fault-tolerance torchft &
     REPLICA_GROUP_ID=1 torchrun --standalone --nproc_per_node=N --max-restarts=3 train.py --fault-tolerance torchft
 
-What changes against plain torchrun:
-- The data: the step's global batch is every group's share (NUM_REPLICA_GROUPS x ranks x --batch-size x
-  --grad-accum samples). A step taken while a group is down trains without that group's share, and so does the
-  step at whose end a restarted group takes a live group's state (its share counts as zero); a step during which
-  a group fails is dropped by the others and taken again with the same data. So a run with a failure no longer
-  matches an uninterrupted one bit for bit. Without failures every group holds the same weights after every step
-  (gradients and floating-point buffers such as BatchNorm's statistics are averaged over the groups).
-- The loss curve across a failure goes on from where it was: the live groups never stop (they wait for the dead
-  group's heartbeat to time out, the lighthouse's --heartbeat_timeout_ms), and the restarted group's first logged
-  step continues at their step number.
-- A job's groups start together: at its first step a group waits (up to --dist-timeout) until every group is in the
-  quorum, unless it finds groups that are already ahead, whose state it then takes.
-- Each group writes its own files, under a `group<ID>` name: snapshots in `<snapshot-dir>/group<ID>`, exports in
-  `<export-dir>/group<ID>`, metrics in `<metrics-file stem>.group<ID>.jsonl`, the log likewise. Snapshots still
-  guard against losing every group at once: groups launched again resume from their newest snapshots, and the ones
-  behind take the state of the one furthest on.
-- wandb logs from group 0 only.
-- How a step runs: torchft forms the step's quorum while the step computes (in a thread of its own); each of
-  DDP's gradient buckets, once averaged within the group, is averaged over the groups while backward computes the
-  next ones (DDP's communication hook); then the buffers are averaged and every rank asks torchft whether the
-  step may be committed. The cost when nothing fails, against plain torchrun: that commit call, the quorum's
-  calls, and the all-reduce between the groups where it does not overlap backward (bench/REPLICA_GROUPS.md).
-- Token-weighted losses (compute_loss returning a sum and a count) are averaged within each group over the group's
-  tokens, then over the groups equally; their average over the groups starts after backward, once the gradients
-  are scaled by the group's count.
-
-Not available in this mode (refused at start): --strategy fsdp, streaming (IterableDataset) training data. A group
-that dies while the groups connect to each other (within a step of the quorum changing) can leave the others
-waiting for up to 30 s (TIMEOUT below) before they drop that step and go on. A run that fails while torchft forms
-a quorum leaves EXIT_GRACE seconds after its error (the quorum thread would hold its exit until --dist-timeout).
+How a step runs: torchft forms the quorum while the step computes (in a thread of its own); each of DDP's gradient
+buckets, once averaged within the group, is averaged over the groups while backward computes the next ones (DDP's
+communication hook); then the buffers are averaged and every rank asks torchft whether the step may be committed.
+Token-weighted losses are averaged within each group over its tokens, then over the groups equally, once backward
+is done and the gradients are scaled by the group's count. A group that dies while the groups connect (within a
+step of the quorum changing) can leave the others waiting up to TIMEOUT before they drop that step; a run that fails
+while torchft forms a quorum leaves EXIT_GRACE seconds after its error.
 """
 
 from __future__ import annotations
@@ -150,16 +125,12 @@ def check_supported(cfg: Any, stream: bool) -> None:
 
 class ReplicaGroup(Partners):
     """This job as one replica group of several (partners.py's hooks), through torchft's Manager: a quorum of the
-    live groups per step, their gradient average, and taking a live group's state after a restart.
-
-    What a restarted group takes from a live one is the snapshot's shared parts (weights, optimizer, schedule, data
-    position): `_state_for_others` on the live group, `_take_live_state` on the restarted one.
-    """
+    live groups per step, their gradient average, and a live group's state (the snapshot's shared parts) taken
+    after a restart (`_state_for_others` on the live group, `_take_live_state` on the restarted one)."""
 
     alone = False
 
     def __init__(self, cfg: Any):
-        """Read this group's place from the environment; give the group its own files (in `cfg`)."""
         self.info = group_info()
         per_group_paths(cfg, self.info.group)
         self._first = True
@@ -206,11 +177,8 @@ class ReplicaGroup(Partners):
         warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
         self._quorum_timeout = quorum_timeout
         store_host, store_port = distributed.store_address()
-        if env.device.type == "cuda":
-            pg = torchft.ProcessGroupNCCL(timeout=TIMEOUT)
-        else:
-            pg = torchft.ProcessGroupGloo(timeout=TIMEOUT)
-        self._pg = pg
+        kind = torchft.ProcessGroupNCCL if env.device.type == "cuda" else torchft.ProcessGroupGloo
+        self._pg = pg = kind(timeout=TIMEOUT)
         # How long rank 0 of the group tries to reach the lighthouse (and the other ranks their group's rank 0):
         # torchft's default of 60 s, or --dist-timeout where that is shorter
         connect = min(CONNECT_TIMEOUT, quorum_timeout)
@@ -249,9 +217,8 @@ class ReplicaGroup(Partners):
         self.manager.load_state_dict({"step": step, "batches_committed": step * info.groups})
 
     def start_step(self, stopping: Callable[[], bool]) -> bool:
-        """The quorum for this step; a group that is behind takes a live group's state here. False: a rank of the
-        group was asked to stop (`stopping`) while the group waited for the others at its first step (every rank of
-        the group returns the same)."""
+        """The quorum for this step (a group that is behind takes a live group's state here). False: a rank of the
+        group was asked to stop while the group waited for the others at its first step."""
         self._progress_at_quorum = dataclasses.asdict(self.trainer.progress)
         self.manager.start_quorum()
         if self._first:
@@ -260,11 +227,9 @@ class ReplicaGroup(Partners):
         return True
 
     def _wait_for_every_group(self, stopping: Callable[[], bool]) -> bool:
-        """A job's groups start together: at its first step, a group that finds no group ahead of it (nobody has
-        trained without it) waits until every group is in the quorum, for up to the quorum timeout; then it goes
-        on with those there. A group that finds others ahead took their state and joins them at once, and so does
-        a group that torchrun restarted: it joins whoever trains. A stop request (Ctrl-C, SIGTERM) ends the wait
-        once the quorum being formed is there (within the lighthouse's --join_timeout_ms): False."""
+        """A job's groups start together: at its first step, a group that finds none ahead of it waits up to the
+        quorum timeout for every group, then goes on with those there; one that finds others ahead (or that torchrun
+        restarted) joins whoever trains. A stop request ends the wait once the quorum being formed is there: False."""
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             return True
         start, groups = self.manager.current_step(), self.info.groups
@@ -280,26 +245,21 @@ class ReplicaGroup(Partners):
         waited = waiting()
         if waited:
             here = self.manager.num_participants()
-            log.info(
-                "replica group %d waiting for the other replica groups (%d of %d here)", self.info.group, here, groups
-            )
+            log.info(f"replica group {self.info.group} waiting for the other replica groups ({here} of {groups} here)")
             while waiting():
                 time.sleep(0.1)
                 self.manager.start_quorum()
         go_on = distributed.all_true(self.env, not stopping())
         if waited and go_on and alone():
+            here = self.manager.num_participants()
             log.warning(
-                "replica group %d starts with %d of %d replica groups: the others did not join within %s",
-                self.info.group,
-                self.manager.num_participants(),
-                groups,
-                self._quorum_timeout,
+                f"replica group {self.info.group} starts with {here} of {groups} replica groups: the others did not "
+                f"join within {self._quorum_timeout}"
             )
         return go_on
 
     def attach(self, ddp: Any) -> None:
-        """Average the gradients over the groups during backward, bucket by bucket as DDP fills them (its
-        communication hook): the groups' all-reduce of a bucket runs while backward computes the next ones."""
+        """Average the gradients over the groups during backward, bucket by bucket as DDP fills them."""
         from torch.nn.parallel import DistributedDataParallel
 
         if not isinstance(ddp, DistributedDataParallel):
@@ -309,9 +269,8 @@ class ReplicaGroup(Partners):
         ddp.register_comm_hook(None, lambda state, bucket: self._comm_hook(bucket))
 
     def _comm_hook(self, bucket: Any) -> Any:
-        """One of DDP's gradient buckets is ready: average it over the group's ranks, as DDP does, and over the
-        replica groups. The groups' average is started here and waited for in average_and_commit; DDP gets the
-        bucket back at once (its gradients are views into it: the average lands in them in place)."""
+        """A DDP gradient bucket is ready: start its average over the group's ranks and over the replica groups
+        (waited for in average_and_commit); DDP gets it back at once, its gradients views the average lands in."""
         import torch.distributed as dist
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -331,7 +290,6 @@ class ReplicaGroup(Partners):
 
     @contextlib.contextmanager
     def skip_averaging(self) -> Iterator[None]:
-        """A backward whose gradients are thrown away: no rank averages them with any other."""
         self._skipping = True
         try:
             yield
@@ -367,10 +325,9 @@ class ReplicaGroup(Partners):
             ) from None
 
     def average_and_commit(self, model: torch.nn.Module) -> bool:
-        """Finish the gradients' average over the live groups (started during backward), average the
-        floating-point buffers too (BatchNorm's running statistics, which each group updates on its own data), so
-        that every group holds the same model; True when every group of the quorum may step its optimizer.
-        False: the step is dropped (a group failed during it)."""
+        """Finish the gradients' average over the live groups (started during backward) and average the
+        floating-point buffers (BatchNorm's statistics), so every group holds the same model. False: the step is
+        dropped (a group failed during it)."""
         self._wait_quorum()
         try:
             if self._pending:
@@ -379,7 +336,10 @@ class ReplicaGroup(Partners):
                     pending.work.wait()  # an error is recorded, not raised: should_commit says False
             else:  # token-weighted: the gradients scaled within the group after backward
                 trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
-                self._average_flat([self._gradient(parameter) for parameter in trained])
+                for parameter in trained:
+                    if parameter.grad is None:  # unused in this group's batch: zero, as DDP treats it
+                        parameter.grad = torch.zeros_like(parameter)
+                self._average_flat([parameter.grad for parameter in trained])
             self._average_flat([buffer.data for buffer in model.buffers() if buffer.is_floating_point()])
         finally:
             self._pending = []
@@ -389,18 +349,10 @@ class ReplicaGroup(Partners):
             error = self.manager.errored()
             cause = getattr(error, "original_exception", error) if error is not None else "another group's"
             log.warning(
-                "replica group %d: step %d dropped, to be taken again (a replica group failed during it: %s)",
-                self.info.group,
-                self.manager.current_step() + 1,
-                _first_line(cause)[:200],
+                f"replica group {self.info.group}: step {self.manager.current_step() + 1} dropped, to be taken again "
+                f"(a replica group failed during it: {_first_line(cause)[:200]})"
             )
         return committed
-
-    @staticmethod
-    def _gradient(parameter: Any) -> Any:
-        if parameter.grad is None:  # unused in this group's batch: zero, as DDP treats it
-            parameter.grad = torch.zeros_like(parameter)
-        return parameter.grad
 
     def _average_flat(self, tensors: list) -> None:
         """Average tensors over the groups in one all-reduce per dtype and device, through a flat copy."""
@@ -416,13 +368,9 @@ class ReplicaGroup(Partners):
                 offset += tensor.numel()
 
     def watch_siblings(self) -> None:
-        """Leave at once when another rank of this group on this machine dies.
-
-        The group is broken then, and torchrun restarts it; but a rank blocked in torchft's gradient average or its
-        commit call with the dead one would stay until torchft's timeout (TIMEOUT), its group still heartbeating to
-        the lighthouse, and the other groups would wait for it all that time. Ranks of the group on other machines
-        are left to that timeout.
-        """
+        """Leave at once when another rank of this group on this machine dies: torchrun restarts the broken group,
+        but a rank blocked in torchft's average or commit would stay until TIMEOUT, heartbeating, and the other
+        groups would wait for it all that time. Ranks on other machines are left to that timeout."""
         parent = identity.agent_pid()
         siblings = [pid for pid in _children(parent) if pid != identity.worker_pid()]
         if not siblings or not identity.torchrun_worker():
@@ -433,32 +381,25 @@ class ReplicaGroup(Partners):
                 for pid in siblings:
                     if not _is_child(pid, parent):
                         log.error(
-                            "replica group %d: rank process %d of this group is gone: leaving at once, so that "
-                            "torchrun restarts the group",
-                            self.info.group,
-                            pid,
+                            f"replica group {self.info.group}: rank process {pid} of this group is gone: leaving at "
+                            "once, so that torchrun restarts the group"
                         )
                         _exit_now(1)
 
         threading.Thread(target=watch, name="replica-group-siblings", daemon=True).start()
 
     def _state_for_others(self) -> dict[str, Any]:
-        """What a restarted group takes from this one: the snapshot's shared parts, copied as they are now (the
-        transfer may still run when this group's next optimizer step changes its tensors in place).
-
-        torchft asks for it while this group's step computes (the quorum runs alongside); the weights, optimizer and
-        schedule change only at the optimizer step, but the data position moves on when the step draws its data:
-        the position is the one at the step's start. Floating-point buffers (BatchNorm's statistics) change during
-        forward: the restarted group's may be those of a moment later, and match the other groups' again once the
-        next step has averaged them."""
+        """What a restarted group takes from this one: the snapshot's shared parts, copied (the transfer may still
+        run when the next optimizer step changes them in place). torchft asks while this group's step computes: the
+        data position is the one at the step's start; buffers (BatchNorm's) may be a moment later's, averaged again
+        at the next step."""
         state = self.trainer.state.capture()[0]
         state["progress"] = dict(self._progress_at_quorum)
         return tree_map(lambda value: value.clone() if isinstance(value, torch.Tensor) else value, state)
 
     def _take_live_state(self, state: dict[str, Any]) -> None:
-        """A live group's state, loaded at the end of a step as a resume from a snapshot (the progress first: the
-        default learning-rate schedule is a function of the samples seen); then this group goes on from the live
-        groups' place in the data after that step (its own share of it counted as zero in the groups' average)."""
+        """A live group's state, loaded at the end of a step as a resume is (the progress first: the default schedule
+        follows it); then this group goes on from the live groups' place in the data after that step."""
         trainer = self.trainer
         parts = trainer.state.shared
         parts["progress"].load_state_dict(state["progress"])
@@ -469,9 +410,7 @@ class ReplicaGroup(Partners):
         trainer.batches.restart()
         next(trainer.batches)  # the share of the step being committed now, which this group did not train
         trainer.checkpointer.last_saved = None
-        log.info(
-            "replica group %d rejoined at step %d with a live group's state", self.info.group, trainer.progress.step
-        )
+        log.info(f"replica group {self.info.group} rejoined at step {trainer.progress.step} with a live group's state")
 
     def close(self, error: BaseException | None = None) -> None:
         """`error`: the exception that ends the run early, if one does."""
@@ -488,27 +427,23 @@ class ReplicaGroup(Partners):
             self._leave_soon(2 if isinstance(error, RunError) else 1)
 
     def end_process(self, code: int) -> None:
-        """Exit now, without the interpreter's shutdown: torchft's manager, its process groups and their native
-        threads would be torn down in it, in an order the process does not control, and one of them can abort it
-        (SIGABRT) after a run that succeeded. Everything the run writes is closed by now; the log is flushed here.
-        Not under a debugger, which sees the process end as usual."""
+        """Exit now, without the interpreter's shutdown, which tears down torchft's native threads in an order that can
+        abort the process (SIGABRT) after a run that succeeded. Not under a debugger."""
         if not _debugged():
             _exit_now(code)
 
     def _leave_soon(self, code: int) -> None:
-        """A run that fails while a quorum is being formed: torchft's quorum thread waits for the quorum (for up to
-        --dist-timeout, when a rank of this group is gone), and the interpreter's exit waits for that thread. So
-        the process leaves by itself, with the exit code it was on its way out with, EXIT_GRACE seconds from now
-        if it is still there (its error is logged and recorded for torchrun by then). Not under a debugger."""
+        """A run that fails while a quorum is being formed: the interpreter's exit would wait for torchft's quorum
+        thread (up to --dist-timeout), so the process leaves by itself with `code` EXIT_GRACE seconds from now if it
+        is still there (its error is logged and recorded for torchrun by then). Not under a debugger."""
         if _debugged():
             return
 
         def leave() -> None:
             time.sleep(EXIT_GRACE)
             log.warning(
-                "replica group %d: leaving without waiting for torchft's quorum thread (exit code %d)",
-                self.info.group,
-                code,
+                f"replica group {self.info.group}: leaving without waiting for torchft's quorum thread (exit code "
+                f"{code})"
             )
             _exit_now(code)
 
@@ -552,15 +487,11 @@ class _Bucket:
 
 def _children(parent: int) -> list[int]:
     """The processes whose parent is `parent` (Linux /proc; none elsewhere)."""
-    found: list[int] = []
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return found
-    for entry in entries:
-        if entry.isdigit() and _is_child(int(entry), parent):
-            found.append(int(entry))
-    return found
+        return []
+    return [int(entry) for entry in entries if entry.isdigit() and _is_child(int(entry), parent)]
 
 
 def _is_child(pid: int, parent: int) -> bool:

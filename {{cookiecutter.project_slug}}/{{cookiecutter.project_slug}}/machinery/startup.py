@@ -1,15 +1,9 @@
 """A run's start: its parts built from the user's hooks and settings, restored from the newest good snapshot.
 
-What a resume takes from the snapshot, and what from the command line (or --config) of the new launch:
-- From the snapshot: every part of state.py (weights, optimizer state, scheduler, scaler, step, data position,
-  every rank's random streams), the run id, and the run's length in samples (see `RunLength`).
-- From the command line: everything else, applied from the first resumed step. The default learning-rate schedule
-  is a function of the samples seen, so a new --lr, --warmup-steps, --max-steps or --epochs rescales it; an
-  optimizer hyperparameter that build_optimizer makes differently with the new settings applies, group by group (a
-  new --weight-decay applies, a no-decay group stays no-decay; the others, those a scheduler drives among them,
-  come from the snapshot: optim.OptimizerPart); --batch-size and --grad-accum change the step size
-  while the data position stays exact in samples. The changed settings are logged once.
-- A snapshot of another model (other layer names or shapes) stops the run with one line: use --resume never.
+A resume takes every part of state.py, the run id and the run's length in samples (`RunLength`) from the snapshot;
+everything else comes from the new launch's settings, applied from the first resumed step and logged once: a new
+--lr or --warmup-steps rescales the default schedule, a changed hyperparameter applies (optim.OptimizerPart), and
+--batch-size or --grad-accum change the step size while the data position stays exact in samples.
 """
 
 from __future__ import annotations
@@ -17,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import IterableDataset
@@ -27,32 +21,18 @@ from .batches import Batches, Progress, RunLength
 from .distributed import DistEnv
 from .hooks import UserCode
 from .optim import OptimizerPart, SampleSchedule, SchedulerPart, as_optimizer, default_optimizer, optimizer_warnings
-from .parallel import DistributedModel
-from .partners import Partners
 from .settings import RunError, flag
-from .snapshot import RUN_FILE, SnapshotError, Snapshots
+from .snapshot import RUN_FILE, SnapshotError
 from .state import ModelPart, ProgressPart, RngPart, ScalerPart, TrainState, checked_parts
 from .step import Stepper
 from .stop import STOP_RECORD
 from .stream import StreamBatches
 
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
 log = logging.getLogger(__name__)
 SCHEDULE_SETTINGS = ("max_steps", "epochs", "warmup_steps", "lr")  # what the default learning-rate schedule follows
-
-
-class Building(Protocol):
-    """What start-up reads of the run it builds (trainer.py)."""
-
-    cfg: Any
-    env: DistEnv
-    user: UserCode
-    parallel: DistributedModel
-    snapshots: Snapshots
-    partners: Partners
-    train_data: Any
-    data_env: DistEnv  # this rank's place among the ranks that share each step's data (partners.py)
-    global_batch: int
-    starting_weights: Any  # pretrained.source
 
 
 @dataclass
@@ -87,9 +67,8 @@ def check_same_data(env: distributed.DistEnv, train: Any, val: Any) -> None:
             )
 
 
-def build_and_restore(run: Building) -> Start:
-    """The run id, the optimizer, the schedule and the data, restored from the newest good snapshot if there is
-    one."""
+def build_and_restore(run: Trainer) -> Start:
+    """The run id, the optimizer, the schedule and the data, restored from the newest good snapshot if any."""
     cfg, env, user, parallel, snapshots = run.cfg, run.env, run.user, run.parallel, run.snapshots
     train_data, global_batch = run.train_data, run.global_batch
     try:
@@ -118,13 +97,12 @@ def build_and_restore(run: Building) -> Start:
 
     optimizer = as_optimizer((user.build_optimizer or default_optimizer)(cfg, model))
     for line in optimizer_warnings(model, optimizer):
-        warn(env, "%s", line)
-    user_scheduler = None
+        warn(env, line)
     if user.build_scheduler is not None:
         scheduler = user.build_scheduler(cfg, optimizer, length.total_steps)
-        user_scheduler = SchedulerPart(scheduler)
     else:
         scheduler = SampleSchedule(optimizer, length, progress)
+    user_scheduler = SchedulerPart(scheduler) if user.build_scheduler is not None else None
     scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16" and env.device.type == "cuda")
     if stream:
         batches: Batches | StreamBatches = StreamBatches(train_data, cfg, env, progress, user.collate)
@@ -191,11 +169,9 @@ def check_resumable(cfg: Any, env: DistEnv, stream: bool, resumed: dict, folder:
             )
         warn(
             env,
-            "the snapshot was written by %d rank(s) and this job has %d: model, optimizer and data position (by "
-            "samples seen) are restored and every rank's random streams are re-seeded, so this run will not "
-            "match an uninterrupted one bit for bit",
-            resumed["world_size"],
-            env.world_size,
+            f"the snapshot was written by {resumed['world_size']} rank(s) and this job has {env.world_size}: model, "
+            "optimizer and data position (by samples seen) are restored and every rank's random streams are "
+            "re-seeded, so this run will not match an uninterrupted one bit for bit",
         )
 
 
@@ -208,7 +184,7 @@ def log_changed_settings(
         if hasattr(cfg, key) and value != getattr(cfg, key)
     ]
     if changed:
-        log.info("settings changed since %s was written (applied from now on): %s", folder, ", ".join(changed))
+        log.info(f"settings changed since {folder} was written (applied from now on): {', '.join(changed)}")
     reshaped = [
         f"{flag(key)} {resumed['config'][key]!r} -> {getattr(cfg, key)!r}"
         for key in SCHEDULE_SETTINGS
@@ -217,50 +193,40 @@ def log_changed_settings(
     if cfg.resume_from and reshaped:
         warn(
             env,
-            "this replay changes the learning-rate schedule (%s): its steps are not the run's; give the run's own "
-            "values to replay them exactly",
-            ", ".join(reshaped),
+            f"this replay changes the learning-rate schedule ({', '.join(reshaped)}): its steps are not the run's; "
+            "give the run's own values to replay them exactly",
         )
     if user_scheduler is not None and user_scheduler.rescaled:
+        ratios = ", ".join(f"{old:.3g} -> {new:.3g}" for old, new in user_scheduler.rescaled)
         log.info(
-            "build_scheduler's base learning rates follow build_optimizer's now (%s): the restored learning "
-            "rates are rescaled by the same ratio",
-            ", ".join(f"{old:.3g} -> {new:.3g}" for old, new in user_scheduler.rescaled),
+            f"build_scheduler's base learning rates follow build_optimizer's now ({ratios}): the restored learning "
+            "rates are rescaled by the same ratio"
         )
     elif user_scheduler is not None and resumed["config"].get("lr") != cfg.lr:
         warn(
             env,
-            "%s changed, but the learning rates build_optimizer in model.py makes did not: your optimizer "
+            f"{flag('lr')} changed, but the learning rates build_optimizer in model.py makes did not: your optimizer "
             "does not take cfg.lr, so the change does not reach your schedule",
-            flag("lr"),
         )
 
 
 def log_start(cfg: Any, env: DistEnv, start: Start, global_batch: int, user: UserCode) -> None:
-    length = start.length
+    length, steps = start.length, start.length.samples // start.length.step_samples
+    parameters = sum(p.numel() for p in start.stepper.parallel.model.parameters())
     log.info(
-        "%s run %s from step %d of %d: %d rank(s) x batch %d x accum %d = %d samples/step, %d parameters",
-        "resuming" if start.resumed_from >= 0 else "training",
-        start.run_id,
-        start.progress.step,
-        length.total_steps,
-        env.world_size,
-        cfg.batch_size,
-        cfg.grad_accum,
-        global_batch,
-        sum(p.numel() for p in start.stepper.parallel.model.parameters()),
+        f"{'resuming' if start.resumed_from >= 0 else 'training'} run {start.run_id} from step {start.progress.step} "
+        f"of {length.total_steps}: {env.world_size} rank(s) x batch {cfg.batch_size} x accum {cfg.grad_accum} = "
+        f"{global_batch} samples/step, {parameters} parameters"
     )
-    if user.build_scheduler is None and cfg.warmup_steps >= length.samples // length.step_samples:
+    if user.build_scheduler is None and cfg.warmup_steps >= steps:
         warn(
             env,
-            "%s %d is not shorter than the run (%d steps): the learning rate never reaches its peak",
-            flag("warmup_steps"),
-            cfg.warmup_steps,
-            length.samples // length.step_samples,
+            f"{flag('warmup_steps')} {cfg.warmup_steps} is not shorter than the run ({steps} steps): the learning rate "
+            "never reaches its peak",
         )
     if cfg.amp == "fp16" and env.device.type != "cuda":
-        warn(env, "%s fp16 without CUDA runs without a gradient scaler; prefer bf16 on CPU", flag("amp"))
+        warn(env, f"{flag('amp')} fp16 without CUDA runs without a gradient scaler; prefer bf16 on CPU")
 
 
-def warn(env: DistEnv, message: str, *args: Any) -> None:
-    logs.warn_from_rank_0(log, env.is_main, message, *args)
+def warn(env: DistEnv, message: str) -> None:
+    logs.warn_from_rank_0(log, env.is_main, message)

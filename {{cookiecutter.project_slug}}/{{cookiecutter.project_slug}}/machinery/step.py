@@ -51,10 +51,9 @@ class Stepper:
         self.loss_steps = 0
         self.grad_norm = torch.zeros((), device=env.device)
         self.lr = optimizer.param_groups[0]["lr"]  # the learning rate of the last step (the first group's)
-        self.partners = (
-            partners or Partners()
-        )  # the jobs this one trains with (partners.py): their gradients are averaged in
-        self._step_loss = torch.zeros((), device=env.device)
+        self.partners = partners or Partners()  # the jobs this one trains with: their gradients are averaged in
+        # The loss of the last forward_backward: this rank's own (the mean over every rank when token-weighted)
+        self.step_loss = torch.zeros((), device=env.device)
         # The first step whose loss (this rank's own) or gradient (the step's, over every rank) was not finite:
         # marked on the device at every step, without waiting for it, and read where the loop syncs anyway (log,
         # snapshot), which stop the run before a snapshot can hold what such a step made of the weights.
@@ -92,13 +91,8 @@ class Stepper:
             step_loss = self._token_weighted(sums).to(step_loss.dtype)
         else:
             self._mark(self.first_bad_loss, torch.isfinite(step_loss))
-        self._step_loss = step_loss
+        self.step_loss = step_loss
         self.loss_sum += step_loss
-
-    @property
-    def step_loss(self) -> torch.Tensor:
-        """The loss of the last forward_backward: this rank's own (the mean over every rank when token-weighted)."""
-        return self._step_loss
 
     def _token_weighted(self, sums: torch.Tensor) -> torch.Tensor:
         """Scale the summed gradients to the mean over every rank's count; return the step's mean loss."""
@@ -115,11 +109,11 @@ class Stepper:
         return torch.tensor(total_loss / total_count, device=self.env.device)
 
     def optimizer_step(self) -> bool:
-        """Clip, step, move the learning-rate schedule on, and count the step. First average the gradients with the
-        jobs this one trains with, if any; False when they drop the step (one failed during it)."""
+        """Average the gradients with the jobs this one trains with, if any (False: they dropped the step, one failed
+        during it); then clip, step, move the learning-rate schedule on, and count the step."""
         if not self.partners.average_and_commit(self.parallel.model):
             self.optimizer.zero_grad(set_to_none=True)
-            self.loss_sum -= self._step_loss
+            self.loss_sum -= self.step_loss
             return False
         if self.cfg.clip_grad:
             self.scaler.unscale_(self.optimizer)

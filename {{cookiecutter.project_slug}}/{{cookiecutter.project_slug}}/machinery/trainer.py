@@ -1,11 +1,7 @@
 """The training loop. `train()` reads top to bottom: train step -> log -> evaluate -> snapshot -> stop check.
 
-`Trainer` puts the rooms together: the user's hooks (hooks.py), the data position (batches.py, stream.py), the
-model across the ranks (parallel.py), one step (step.py), what a snapshot holds (state.py) and where it goes
-(snapshot/), and what the run leaves (report.py) in files that belong to it (outputs.py). Three parts decide when
-they act in the loop: the logged metrics (tracking.py), evaluation (evaluate.py), snapshots (checkpointer.py).
-
-How a run starts and resumes: startup.py; how it ends: ending.py.
+`Trainer` holds the run's parts (machinery/__init__.py lists the modules); how a run starts and resumes is
+startup.py's, how it ends ending.py's.
 """
 
 from __future__ import annotations
@@ -126,12 +122,10 @@ class Trainer:
         return False
 
     def forward_backward(self, micro_batches: list) -> None:
-        """Forward and backward over the micro-batches of one optimizer step (step.py)."""
-        self.stepper.forward_backward(micro_batches)
+        self.stepper.forward_backward(micro_batches)  # a method of its own: a fault injection wraps it
 
     def optimizer_step(self) -> bool:
-        """Clip, step, move the schedule and the step count on (step.py); False: the jobs this one trains with
-        dropped the step (one failed during it)."""
+        """Step the optimizer (step.py); False: the jobs this one trains with dropped the step (one failed in it)."""
         stepped = self.stepper.optimizer_step()
         self.hang_watch.beat()
         if not stepped and isinstance(self.batches, Batches):
@@ -157,8 +151,6 @@ class Trainer:
                 self.snapshots.finish_after_failure(SAVE_GRACE_S)
         finally:
             self.close(error)
-
-    # -- helpers -----------------------------------------------------------------------------------------------
 
     def warn_from_rank_0(self, message: str, *args) -> None:
         """A warning that every rank reaches alike (settings, an agreed stop): rank 0 says it, the others at DEBUG."""
