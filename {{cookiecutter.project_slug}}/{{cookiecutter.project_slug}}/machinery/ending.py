@@ -4,20 +4,35 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from . import identity, logs
 from .report import Summary, val_text, write_summary
 from .snapshot import step_name, write_json_atomic
 from .stop import STOP_RECORD, StopRequest
 
-if TYPE_CHECKING:
-    from .trainer import Trainer
-
 log = logging.getLogger(__name__)
 
 
-def finish(trainer: Trainer, stop: StopRequest) -> Summary:
+class Ending(Protocol):
+    """What a run's end reads and calls of the run (trainer.py)."""
+
+    cfg: Any
+    env: Any
+    progress: Any
+    length: Any
+    parallel: Any
+    snapshots: Any
+    checkpointer: Any
+    exports: Any
+    run_id: str
+    metrics_file: str
+    resumed_from: int
+
+    def warn_from_rank_0(self, message: str, *args: Any) -> None: ...
+
+
+def finish(trainer: Ending, stop: StopRequest) -> Summary:
     """Final snapshot, export and summary (also for a run that was already complete when it started)."""
     # The flag-only handlers stay until train() leaves its StopRequest: torchrun SIGTERMs this rank as soon as
     # another stopped rank has exited, and the default action would end it before its stop record is written
@@ -62,7 +77,7 @@ def finish(trainer: Trainer, stop: StopRequest) -> Summary:
     return summary
 
 
-def run_summary(trainer: Trainer, already_complete: bool, stop_signal: int) -> Summary:
+def run_summary(trainer: Ending, already_complete: bool, stop_signal: int) -> Summary:
     cfg, progress = trainer.cfg, trainer.progress
     return Summary(
         run_id=trainer.run_id,

@@ -15,7 +15,7 @@ import sys
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -27,11 +27,26 @@ from .settings import RunError, flag
 from .snapshot import restore_rng
 from .state import all_finite
 
-if TYPE_CHECKING:
-    from .trainer import Trainer
-
 log = logging.getLogger(__name__)
 REPLAY_FLAGS = ("--resume-from", "--break-at-step")
+
+
+class Run(Protocol):
+    """What the guard reads of the run it watches (trainer.py): the parts a replay trains with."""
+
+    env: DistEnv
+    model: nn.Module
+    snapshots: Any
+    state: Any
+    batches: Any
+    progress: Any
+    stepper: Any
+    partners: Any
+    checkpointer: Any  # its last_saved: the step of the newest snapshot this run has
+
+    def forward_backward(self, micro_batches: Any) -> None: ...
+
+    def optimizer_step(self) -> bool: ...
 
 
 @dataclass
@@ -45,7 +60,7 @@ class Origin:
     loss: bool = False
 
 
-def replay(trainer: Trainer, bad_step: int) -> tuple[int, list[Origin]] | None:
+def replay(trainer: Run, bad_step: int) -> tuple[int, list[Origin]] | None:
     """Every rank together: (the snapshot step the replay started from, each rank's Origin at `bad_step`), or None
     when no snapshot before `bad_step` is kept (or the replay failed: the run's own error is the one to report)."""
     try:
@@ -56,7 +71,6 @@ def replay(trainer: Trainer, bad_step: int) -> tuple[int, list[Origin]] | None:
         rng_state = trainer.state.restore(resumed, trainer.snapshots.step_folder(resumed["step"]))
         if isinstance(trainer.batches, Batches):
             trainer.batches.restart()  # from the restored position (a stream's restarts with its restored place)
-        assert rng_state is not None  # the same ranks wrote it (rank_state)
         restore_rng(rng_state)  # last, as at any resume
         progress = trainer.progress
         while progress.step < bad_step - 1:
@@ -145,10 +159,10 @@ def replay_command(env: DistEnv, snapshot_step: int, bad_step: int) -> str:
 class NonfiniteGuard:
     """The run's watch over NaN and infinity: the check at each log and snapshot that stops every rank at once."""
 
-    def __init__(self, run: Trainer):
+    def __init__(self, run: Run):
         # Not a reference that keeps the run alive: the Trainer and its process group's threads go when train()
         # returns, not at the next garbage collection
-        self.run = cast("Trainer", weakref.proxy(run))
+        self.run = cast(Run, weakref.proxy(run))
         self.finite_until = -1  # the last step check() found every loss and gradient so far finite
 
     def check(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import IterableDataset
@@ -21,18 +21,32 @@ from .batches import Batches, Progress, RunLength
 from .distributed import DistEnv
 from .hooks import UserCode
 from .optim import OptimizerPart, SampleSchedule, SchedulerPart, as_optimizer, default_optimizer, optimizer_warnings
+from .parallel import DistributedModel
+from .partners import Partners
 from .settings import RunError, flag
-from .snapshot import RUN_FILE, SnapshotError
+from .snapshot import RUN_FILE, SnapshotError, Snapshots
 from .state import ModelPart, ProgressPart, RngPart, ScalerPart, TrainState, checked_parts
 from .step import Stepper
 from .stop import STOP_RECORD
 from .stream import StreamBatches
 
-if TYPE_CHECKING:
-    from .trainer import Trainer
-
 log = logging.getLogger(__name__)
 SCHEDULE_SETTINGS = ("max_steps", "epochs", "warmup_steps", "lr")  # what the default learning-rate schedule follows
+
+
+class Building(Protocol):
+    """What start-up reads of the run it builds (trainer.py)."""
+
+    cfg: Any
+    env: DistEnv
+    user: UserCode
+    parallel: DistributedModel
+    snapshots: Snapshots
+    partners: Partners
+    train_data: Any
+    data_env: DistEnv  # this rank's place among the ranks that share each step's data (partners.py)
+    global_batch: int
+    starting_weights: Any  # pretrained.source
 
 
 @dataclass
@@ -67,7 +81,7 @@ def check_same_data(env: distributed.DistEnv, train: Any, val: Any) -> None:
             )
 
 
-def build_and_restore(run: Trainer) -> Start:
+def build_and_restore(run: Building) -> Start:
     """The run id, the optimizer, the schedule and the data, restored from the newest good snapshot if any."""
     cfg, env, user, parallel, snapshots = run.cfg, run.env, run.user, run.parallel, run.snapshots
     train_data, global_batch = run.train_data, run.global_batch
