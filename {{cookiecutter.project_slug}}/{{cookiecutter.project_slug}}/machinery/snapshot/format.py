@@ -83,14 +83,6 @@ class _HashingWriter:
         self.raw.flush()
 
 
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_atomic(path: str, write) -> dict:
     """Write a file through `write(file)` so that `path` is either absent or complete; return its receipt."""
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -105,7 +97,11 @@ def write_atomic(path: str, write) -> dict:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    _fsync_dir(os.path.dirname(path))
+    fd = os.open(os.path.dirname(path), os.O_RDONLY)  # the rename itself is durable only once its folder is synced
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return {"size": writer.size, "sha256": writer.sha256.hexdigest()}
 
 
@@ -119,6 +115,19 @@ def sha256_file(path):
         for block in iter(lambda: handle.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def file_entry(path: str) -> dict:
+    """A written file's receipt entry: its size and sha256."""
+    return {"size": os.path.getsize(path), "sha256": sha256_file(path)}
+
+
+def _read_json(path: str, what: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise SnapshotError(f"{path}: unreadable {what} ({type(exc).__name__}: {exc})") from exc
 
 
 def _is_count(value, low=0, high=None):
@@ -189,14 +198,10 @@ def manifest_problem(manifest, step):
 
 
 def read_receipt(folder: str, rank: int) -> dict:
-    """Rank `rank`'s receipt in a step folder, checked: it lists exactly that rank's files (its rank file, rank 0's
-    shared.pt, its shards under fsdp), each with a size and sha256 (checked later, against the files)."""
+    """Rank `rank`'s receipt in a step folder, checked to list exactly that rank's files (its rank file, rank 0's
+    shared.pt, its shards under fsdp); their sizes and sha256 are checked later, against the files."""
     path = os.path.join(folder, receipt_file(rank))
-    try:
-        with open(path, encoding="utf-8") as handle:
-            receipt = json.load(handle)
-    except (OSError, ValueError, RecursionError) as exc:
-        raise SnapshotError(f"{path}: unreadable receipt ({type(exc).__name__}: {exc})") from exc
+    receipt = _read_json(path, "receipt")
     expected = {rank_file(rank)} | ({SHARED} if rank == 0 else set())
     files = receipt.get("files") if isinstance(receipt, dict) else None
     if not isinstance(files, dict) or {name for name in files if shard_of(name) != rank} != expected:
@@ -205,9 +210,8 @@ def read_receipt(folder: str, rank: int) -> dict:
 
 
 def new_manifest(folder: str, step: int, world_size: int, files: dict, job: str, frozen_in: int | None = None) -> dict:
-    """The manifest that commits a save of `world_size` ranks whose receipts list `files` (and whose frozen
-    parameters are in the snapshot of step `frozen_in`, see frozen.py); SnapshotError rather than one a reader
-    would reject."""
+    """The manifest that commits a save (`frozen_in`: the step whose snapshot holds the frozen parameters, see
+    frozen.py); SnapshotError rather than one a reader would reject."""
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "step": step,
@@ -226,9 +230,9 @@ def new_manifest(folder: str, step: int, world_size: int, files: dict, job: str,
 
 
 def receipts_manifest(folder: str, step: int, where: str, fetch=lambda rank: None) -> dict:
-    """The manifest that commits the save of `step` whose receipts are in `folder`: rank 0's, there already, names
-    the ranks, the job and where the frozen parameters are; fetch(rank) puts each other rank's there first (waits
-    for it, downloads it). SnapshotError says what is missing or wrong; `where` names the save in it."""
+    """The manifest that commits the save of `step` from the receipts in `folder`: rank 0's, there already, names
+    the ranks, the job and `frozen_in`; fetch(rank) puts each other rank's there first (waits for it, downloads
+    it). SnapshotError says what is missing or wrong; `where` names the save in it."""
     first = read_receipt(folder, 0)
     world_size, job = first.get("world_size"), first.get("job")
     if not isinstance(world_size, int) or not _is_count(world_size, 1, MAX_WORLD_SIZE) or not isinstance(job, str):
@@ -252,11 +256,7 @@ def finished_save(folder: str, step: int) -> dict:
 def read_manifest(step_path: str) -> dict:
     """The manifest of a step folder, checked whole; SnapshotError says what is wrong with it."""
     path = os.path.join(step_path, MANIFEST)
-    try:
-        with open(path, encoding="utf-8") as handle:
-            manifest = json.load(handle)
-    except (OSError, ValueError, RecursionError) as exc:
-        raise SnapshotError(f"{path}: unreadable manifest ({type(exc).__name__}: {exc})") from exc
+    manifest = _read_json(path, "manifest")
     problem = manifest_problem(manifest, step_of_folder(os.path.basename(os.path.normpath(step_path))))
     if problem:
         raise SnapshotError(f"{path}: malformed manifest: {problem}")
@@ -305,17 +305,11 @@ def list_steps(directory: str) -> tuple[list[int], list[int]]:
         return [], []
     for name in names:
         step = step_of_folder(name)
-        if step is None:
-            if STEP_DIR.match(name):
-                log.debug(
-                    "ignoring %s: not a snapshot folder name (%s would be)",
-                    os.path.join(directory, name),
-                    step_name(int(name[len("step-") :])),
-                )
-            continue
-        if not os.path.isdir(os.path.join(directory, name)):
-            continue
-        (committed if os.path.exists(os.path.join(directory, name, MANIFEST)) else incomplete).append(step)
+        if step is None and STEP_DIR.match(name):
+            real = step_name(int(name[len("step-") :]))
+            log.debug("ignoring %s: not a snapshot folder name (%s would be)", os.path.join(directory, name), real)
+        if step is not None and os.path.isdir(os.path.join(directory, name)):
+            (committed if os.path.exists(os.path.join(directory, name, MANIFEST)) else incomplete).append(step)
     return sorted(committed, reverse=True), sorted(incomplete)
 
 
@@ -325,16 +319,19 @@ def _check_shards(step_path, manifest, shards):
             check_file(step_path, manifest, name)
 
 
+def _fill_frozen(state: dict, frozen: dict) -> None:
+    """Give the snapshot's model the frozen parameters it left to an older snapshot; "frozen_filled" names them."""
+    state["frozen_filled"] = [key for key in frozen if key not in state["model"]]
+    state["model"] = {**{key: frozen[key] for key in state["frozen_filled"]}, **state["model"]}
+
+
 def load_step(step_path, ranks, shards=(0, 1)):
     """The shared state of one snapshot, with `rank_states` for `ranks` (None: every rank); raises SnapshotError.
 
-    A sharded snapshot's torch.distributed.checkpoint files are checked, not loaded (the trainer loads them, on
-    every rank together): those whose index i in the sorted list has i % shards[1] == shards[0]. "sharded_dir"
-    is their folder, or "" for a snapshot without shards.
-
-    A snapshot that leaves the model's frozen parameters to an older one ("frozen_in" in its manifest, see
-    frozen.py) is checked with that one's files: its "model" gets them from there ("frozen_filled" names them), or
-    for a sharded one "frozen_dir" is that one's shards.
+    A sharded snapshot's DCP files are checked, not loaded (the trainer loads them, on every rank together): those
+    at index i of the sorted list with i % shards[1] == shards[0]. "sharded_dir" is their folder ("" for none).
+    A snapshot whose manifest has "frozen_in" (frozen.py) is checked with that older one's files: its "model" gets
+    the frozen parameters from there, or for a sharded one "frozen_dir" is that one's shards.
     """
     manifest = read_manifest(step_path)
     state = load_checked(step_path, manifest, SHARED)
@@ -353,9 +350,7 @@ def load_step(step_path, ranks, shards=(0, 1)):
                 _check_shards(holder, held, shards)
                 state["frozen_dir"] = os.path.join(holder, SHARDED_DIR)
             else:
-                frozen = load_checked(holder, held, SHARED)["model"]
-                state["frozen_filled"] = [key for key in frozen if key not in state["model"]]
-                state["model"] = {**{key: frozen[key] for key in state["frozen_filled"]}, **state["model"]}
+                _fill_frozen(state, load_checked(holder, held, SHARED)["model"])
         except SnapshotError as exc:
             raise SnapshotError(
                 f"{step_path}: its frozen parameters are in {step_name(state['frozen_in'])}, which is unusable: {exc}"
@@ -364,10 +359,10 @@ def load_step(step_path, ranks, shards=(0, 1)):
 
 
 def newest_usable(steps, load, where: str, agree=lambda ok: ok, advice: str = "") -> tuple[Any, list[int]]:
-    """(load(step) of the newest of `steps`, newest first, that loads; the steps skipped before it), or (None, [])
-    when there are no steps. An unusable one (load raises SnapshotError) is skipped with a warning. Ranks that
-    walk together pass `agree` (distributed.all_true): a step counts only when every rank loaded it, so they all
-    move to the next older one together. SnapshotError, with the reasons and `advice`, when none is usable."""
+    """(load(step) of the newest of `steps` (newest first) that loads, the steps skipped before it), or (None, [])
+    when there are none. An unusable one (SnapshotError) is skipped with a warning. Ranks that walk together pass
+    `agree` (distributed.all_true): a step counts only when every rank loaded it. SnapshotError, with the reasons
+    and `advice`, when none is usable."""
     reasons: list[str] = []
     skipped: list[int] = []
     for step in steps:
@@ -397,9 +392,7 @@ def load_whole(step_path: str, rank: int | None = None) -> dict:
             if name != "optimizer":  # its shards stay as they are: keyed by parameter, not a state_dict
                 state[name] = read_sharded_model(state["sharded_dir"], name)
         if state["frozen_dir"]:
-            frozen = read_sharded_model(state["frozen_dir"], "model")
-            state["frozen_filled"] = [key for key in frozen if key not in state["model"]]
-            state["model"] = {**{key: frozen[key] for key in state["frozen_filled"]}, **state["model"]}
+            _fill_frozen(state, read_sharded_model(state["frozen_dir"], "model"))
     if rank is not None:
         state["rank_state"] = state["rank_states"].get(rank)
     return state
@@ -435,6 +428,15 @@ def _read_metadata(folder: str):
         raise SnapshotError(f"{folder}: unreadable metadata ({type(exc).__name__}: {exc})") from exc
 
 
+def _entries(metadata, prefix: str):
+    """(path, storage metadata) of each entry of part `prefix`; a path is ("model", fqn) or nested deeper."""
+    paths = metadata.planner_data or {}  # flat key "model.<fqn>" -> its path ("model", fqn)
+    for flat_key, item in metadata.state_dict_metadata.items():
+        path = paths.get(flat_key) or tuple(flat_key.split(".", 1))
+        if path[0] == prefix and len(path) >= 2:
+            yield path, item
+
+
 def sharded_parts(folder: str) -> list[str]:
     """The parts a torch.distributed.checkpoint folder holds: "model", "optimizer" and model.py's extra ones."""
     metadata = _read_metadata(folder)[1]
@@ -443,29 +445,17 @@ def sharded_parts(folder: str) -> list[str]:
 
 def sharded_keys(folder: str, prefix: str = "model") -> list[str]:
     """The keys of a part's state_dict (by default the model's) that a torch.distributed.checkpoint folder holds."""
-    metadata = _read_metadata(folder)[1]
-    paths = metadata.planner_data or {}  # flat key "model.<fqn>" -> its path ("model", fqn)
-    keys = []
-    for flat_key in metadata.state_dict_metadata:
-        path = paths.get(flat_key) or tuple(flat_key.split(".", 1))
-        if path[0] == prefix and len(path) == 2:
-            keys.append(path[1])
-    return keys
+    return [path[1] for path, _ in _entries(_read_metadata(folder)[1], prefix) if len(path) == 2]
 
 
 def read_sharded_model(folder: str, prefix: str = "model") -> dict[str, Any]:
     """The "model" entry (or another part's, `prefix`) of a torch.distributed.checkpoint folder as a plain
-    state_dict of full-size CPU tensors (no DTensor), without a process group: the metadata gives each entry's
-    global size and dtype, so empty tensors of those are made for that entry only and DCP fills them from every
-    rank's shards. The optimizer's entries are never read. A part's nested dicts come back nested (a list in it
-    comes back as a dict keyed by position)."""
+    state_dict of full-size CPU tensors, without a process group: empty tensors of each entry's global size and
+    dtype (from the metadata) are made and DCP fills them from every rank's shards. The optimizer's entries are
+    never read. Nested dicts come back nested (a list as a dict keyed by position)."""
     reader, metadata = _read_metadata(folder)
-    paths = metadata.planner_data or {}  # flat key "model.<fqn>" -> its path ("model", fqn)
     state: dict[str, Any] = {}
-    for flat_key, item in metadata.state_dict_metadata.items():
-        path = paths.get(flat_key) or (prefix, flat_key[len(prefix) + 1 :])
-        if path[0] != prefix or len(path) < 2 or not flat_key.startswith(prefix + "."):
-            continue
+    for path, item in _entries(metadata, prefix):
         holder = state
         for key in path[1:-1]:
             holder = holder.setdefault(key, {})

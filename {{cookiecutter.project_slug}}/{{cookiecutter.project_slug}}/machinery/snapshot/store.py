@@ -1,15 +1,9 @@
 """Snapshots on object storage (`--snapshot-dir s3://bucket/prefix`, gs://, az://, file://), through fsspec.
 
-A store has no rename, and the ranks of a job may share no filesystem. So each rank writes its part of a save to a
-local staging folder of its own first (the code path of a local snapshot folder, under the system's temp dir),
-and a background thread (`Uploader`) uploads it: each object is read back and its size and sha256 checked against
-the receipt, the rank's receipt goes last, and rank 0 writes the manifest once every rank's receipt is on the
-store and every object it lists is there at its size. A snapshot whose manifest object is missing is never loaded.
-Training never waits for the store: a slow one makes snapshots late (one WARNING), connection errors and 5xx
-replies are retried with backoff. Loading (resume, `load_latest(url)`) downloads the newest snapshot whose
-objects all check out, falling back to older ones. One job per prefix: storelock.py.
-
-Layout on the store: as in a local snapshot folder (see __init__.py), with job.lock the lock object.
+A store has no rename and the ranks may share no filesystem: each rank writes its part to a local staging folder
+first, and `Uploader` uploads it in the background, each object read back and checked against the receipt, the
+receipt last; rank 0 writes the manifest once every rank's receipt and object is there. Layout as in a local
+folder (__init__.py); one job per prefix (storelock.py).
 """
 
 import hashlib
@@ -29,6 +23,7 @@ from .format import (
     URL,
     SnapshotError,
     check_file,
+    file_entry,
     load_latest_in_folder,
     load_whole,
     newest_usable,
@@ -51,7 +46,7 @@ STOP_RECORD = "stopped.json"  # stop.py's
 
 
 def connect(url: str):
-    """(filesystem, root path) for a URL; StoreError names the extra to install when its package is missing."""
+    """(filesystem, root path) for a URL; SnapshotError names the extra to install when its package is missing."""
     import fsspec
 
     protocol = url.split("://", 1)[0].lower()
@@ -79,8 +74,7 @@ def url_problem(url: str) -> str | None:
     """Why a job cannot use `url` (package missing, store unreachable, bucket missing, no permission), or None:
     a probe object is written, read back and removed."""
     try:
-        store = Store(url, 0)
-        store.probe()
+        Store(url, 0).probe()
     except SnapshotError as exc:
         return str(exc)
     return None
@@ -202,10 +196,9 @@ class Store:
         self.lock.acquire()
         shutil.rmtree(self.local, ignore_errors=True)  # this rank's staging: no other job of this prefix uses it
         os.makedirs(self.local)
-        committed, incomplete = self.steps()
-        for step in incomplete:
+        for step in self.steps()[1]:
             self._commit_finished(step)
-        committed, incomplete = self.steps()
+        committed = self.steps()[0]
         if fresh_start and committed:
             self._start_fresh(job, committed)
         for step in self.steps()[1]:
@@ -388,11 +381,8 @@ class Uploader:
         receipt = read_receipt(folder, self.rank)
         for name, entry in receipt["files"].items():
             self.store.upload(os.path.join(folder, name), f"{step_name(step)}/{name}", entry)
-        own = receipt_file(self.rank)
-        with open(os.path.join(folder, own), "rb") as handle:
-            data = handle.read()
-        entry = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        self.store.upload(os.path.join(folder, own), f"{step_name(step)}/{own}", entry)
+        own = os.path.join(folder, receipt_file(self.rank))
+        self.store.upload(own, f"{step_name(step)}/{receipt_file(self.rank)}", file_entry(own))
         if self.rank == 0:
             self._commit(step, folder)
         shutil.rmtree(folder, ignore_errors=True)
@@ -419,8 +409,7 @@ class Uploader:
             raise SnapshotError(f"not committing {self.store.where(step_name(step))}: the job ended first")
         self.store.commit(step, manifest)
         for name in RUN_FILES:
-            if os.path.exists(os.path.join(self.store.local, name)):
-                with open(os.path.join(self.store.local, name), "rb") as handle:
-                    data = handle.read()
-                _retried(lambda d=data, n=name: self.store.fs.pipe_file(self.store.path(n), d), f"writing {name}")
+            path = os.path.join(self.store.local, name)
+            if os.path.exists(path):
+                self.store.upload(path, name, file_entry(path))
         self.store.prune(self.keep)
