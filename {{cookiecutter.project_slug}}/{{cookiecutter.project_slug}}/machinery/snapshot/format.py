@@ -57,9 +57,7 @@ def receipt_file(rank: int) -> str:
 def step_of_folder(name):
     """The step a folder name stands for, or None unless it is exactly step_name(step)."""
     match = STEP_DIR.match(name)
-    if not match or step_name(int(match.group(1))) != name:
-        return None
-    return int(match.group(1))
+    return int(match.group(1)) if match and step_name(int(match.group(1))) == name else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -109,20 +107,25 @@ def write_json_atomic(path: str, obj) -> dict:
     return write_atomic(path, lambda f: f.write(json.dumps(obj, indent=1, sort_keys=True).encode()))
 
 
-def sha256_file(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def stream_entry(handle) -> dict:
+    """The receipt entry of what `handle` reads (a local file, an object on a store): its size and sha256."""
+    digest, size = hashlib.sha256(), 0
+    for block in iter(lambda: handle.read(1 << 22), b""):
+        digest.update(block)
+        size += len(block)
+    return {"size": size, "sha256": digest.hexdigest()}
 
 
 def file_entry(path: str) -> dict:
-    """A written file's receipt entry: its size and sha256."""
-    return {"size": os.path.getsize(path), "sha256": sha256_file(path)}
+    with open(path, "rb") as handle:
+        return stream_entry(handle)
 
 
-def _read_json(path: str, what: str) -> Any:
+def sha256_file(path):
+    return file_entry(path)["sha256"]
+
+
+def _read_json(path: str, what: str) -> Any:  # a receipt, a manifest
     try:
         with open(path, encoding="utf-8") as handle:
             return json.load(handle)
@@ -306,8 +309,8 @@ def list_steps(directory: str) -> tuple[list[int], list[int]]:
     for name in names:
         step = step_of_folder(name)
         if step is None and STEP_DIR.match(name):
-            real = step_name(int(name[len("step-") :]))
-            log.debug("ignoring %s: not a snapshot folder name (%s would be)", os.path.join(directory, name), real)
+            would_be = step_name(int(name[len("step-") :]))
+            log.debug("ignoring %s: not a snapshot folder name (%s would be)", os.path.join(directory, name), would_be)
         if step is not None and os.path.isdir(os.path.join(directory, name)):
             (committed if os.path.exists(os.path.join(directory, name, MANIFEST)) else incomplete).append(step)
     return sorted(committed, reverse=True), sorted(incomplete)
@@ -414,9 +417,7 @@ def load_latest_in_folder(directory: str, rank: int | None = None) -> dict | Non
 def shard_of(name: str) -> int | None:
     """The rank that writes a file of a sharded snapshot (rank 0 writes DCP's .metadata), or None for another file."""
     match = SHARDED_FILE.match(name)
-    if match is None:
-        return None
-    return int(match.group(2)) if match.group(2) is not None else 0
+    return None if match is None else int(match.group(2) or 0)
 
 
 def _read_metadata(folder: str):

@@ -33,6 +33,7 @@ from .format import (
     receipts_manifest,
     step_name,
     step_of_folder,
+    stream_entry,
 )
 from .storelock import StoreLock, first_line
 
@@ -111,25 +112,14 @@ def _retried(call, what: str):
             delay = min(delay * 2, 30.0)
 
 
-def _sha256_remote(fs, path: str) -> tuple[int, str]:
-    digest, size = hashlib.sha256(), 0
-    with fs.open(path, "rb", block_size=1 << 22) as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-            size += len(block)
-    return size, digest.hexdigest()
-
-
 class Store:
     """One job's prefix on a store, and this rank's local staging folder for it."""
-
-    lock: StoreLock | None
 
     def __init__(self, url: str, rank: int):
         self.url = url.rstrip("/")
         self.fs, self.root = connect(self.url)
         self.local = staging_folder(self.url, rank)
-        self.lock = None
+        self.lock: StoreLock | None = None
 
     def path(self, *names: str) -> str:
         return "/".join([self.root, *names])
@@ -166,9 +156,10 @@ class Store:
 
         def put():
             self.fs.put_file(local, self.path(name))
-            got = _sha256_remote(self.fs, self.path(name))
-            if got != (entry["size"], entry["sha256"]):
-                raise OSError(f"{self.where(name)} read back as {got[0]} bytes with another checksum")
+            with self.fs.open(self.path(name), "rb", block_size=1 << 22) as handle:
+                got = stream_entry(handle)
+            if (got["size"], got["sha256"]) != (entry["size"], entry["sha256"]):
+                raise OSError(f"{self.where(name)} read back as {got['size']} bytes with another checksum")
 
         _retried(put, f"uploading {self.where(name)}")
 
