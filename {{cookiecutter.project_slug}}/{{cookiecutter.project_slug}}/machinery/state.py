@@ -107,8 +107,7 @@ class ScalerPart:
 
 
 class TrainState:
-    """The parts of a snapshot, in order; `sharded` (fsdp): the model, the optimizer and model.py's extra parts are
-    written as shards, through torch.distributed.checkpoint."""
+    """The parts of a snapshot, in order; `sharded` (fsdp): the model, the optimizer and the extra parts are shards."""
 
     def __init__(self, env: DistEnv, sharded: bool):
         self.env, self.sharded = env, sharded
@@ -117,11 +116,8 @@ class TrainState:
         self.extra: list[str] = []  # model.py's extra_state parts, among the shared ones
         self._frozen: FrozenWeights | None = None
 
-    def has(self, name: str) -> bool:
-        return name in self.shared or name in self.rank or name in BESIDE_PARTS
-
     def add(self, name: str, part: Stateful, per_rank: bool = False, extra: bool = False) -> None:
-        if self.has(name):
+        if name in self.shared or name in self.rank or name in BESIDE_PARTS:
             raise ValueError(f"a snapshot part named {name!r} exists already")
         (self.rank if per_rank else self.shared)[name] = part
         if extra:
@@ -137,14 +133,12 @@ class TrainState:
         return self._frozen
 
     def capture(self, without_frozen: bool = False) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
-        """(shared parts, this rank's parts, sharded parts or None), the tensors still live: the snapshot writer
-        copies them off the training thread before the next optimizer step. `without_frozen`: the model's frozen
-        parameters are left out (an older snapshot holds them, see frozen.py)."""
+        """(shared parts, this rank's parts, sharded parts or None), the tensors still live (the writer copies them);
+        `without_frozen`: the model's frozen parameters are left out (an older snapshot holds them, see frozen.py)."""
         left_out = self.frozen.names if without_frozen else set()
         sharded_state = None
         if self.sharded:
-            # DCP keeps one copy of each buffer (BatchNorm statistics): make it rank 0's, as under ddp. The next
-            # step starts from rank 0's anyway.
+            # DCP keeps one copy of each buffer (BatchNorm statistics): make it rank 0's, as under ddp
             model = self._model()
             distributed.broadcast_buffers(self.env, model)
             model_state, optimizer_state = get_state_dict(model, optimizers_of(self._optimizer()))
@@ -213,9 +207,8 @@ class TrainState:
         return rank_state["rng"]
 
     def _load_shards(self, resumed: dict[str, Any], folder: str) -> set[str]:
-        """The model's and optimizer's shards (resharded by torch.distributed.checkpoint when the number of ranks
-        changed), with the optimizer's hyperparameters as OptimizerPart restores them; the model's entries this
-        snapshot left to an older one (its frozen_dir) from there. Returns the names of those."""
+        """Load the model's and optimizer's shards (DCP reshards them for another number of ranks), the entries left
+        to an older snapshot from its frozen_dir; return the names of those."""
         model, optimizer = self._model(), self._optimizer()
         started = resumed.get("optimizer", {})
         self.shared["optimizer"].check(started)  # type: ignore[attr-defined]

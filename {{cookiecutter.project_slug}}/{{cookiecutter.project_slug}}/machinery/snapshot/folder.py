@@ -41,11 +41,8 @@ def _eventually(check, timeout=SHARED_FOLDER_WAIT_S, interval=0.2):
 
 
 class SnapshotFolder:
-    """The folder side of one job's snapshots. Every rank holds one; collectives are called on every rank.
-
-    Rank 0 holds the folder's job lock from prepare() to close(): call close() when training ends, also after a
-    failure (in a `finally`).
-    """
+    """The folder side of one job's snapshots. Every rank holds one; collectives are called on every rank. Rank 0
+    holds the folder's job lock from prepare() to close(): call close() in a `finally`."""
 
     commit_timeout = 600.0  # seconds rank 0 waits for every rank's part before a save fails (Snapshots sets it)
 
@@ -231,12 +228,9 @@ class SnapshotFolder:
             log.info("committed %s: every rank's part of it was written before its job ended", folder)
 
     def resume(self) -> dict | None:
-        """The newest snapshot good for every rank, loaded on every rank; None when the folder holds none.
-
-        Each rank checks the files it needs (shared.pt and its own rank file; on a store, it downloads the whole
-        snapshot into its staging folder first). A snapshot counts only if every rank found its files good;
-        otherwise all ranks move to the next older one together.
-        """
+        """The newest snapshot good for every rank, loaded on every rank; None when the folder holds none. Each rank
+        checks the files it needs (from a store, downloaded to its staging folder first); all ranks move to the next
+        older one together unless every rank found its files good."""
         env, store = self.env, self.store
         if store is not None:  # rank 0 lists the store: every rank walks the same steps
             committed = distributed.broadcast_object(env, store.steps()[0] if env.is_main else None)
@@ -278,8 +272,8 @@ class SnapshotFolder:
         return state
 
     def _set_aside(self, steps):
-        """Rename damaged snapshots, kept for a post-mortem, out of the way of the saves to come; on a store, where
-        they stay, remove their downloaded copies."""
+        """Rename damaged snapshots out of the way, kept for a post-mortem (on a store, where they stay, remove their
+        downloaded copies)."""
         if self.store is not None:
             for step in steps:
                 shutil.rmtree(self.step_folder(step), ignore_errors=True)

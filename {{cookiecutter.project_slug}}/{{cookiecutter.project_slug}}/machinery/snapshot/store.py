@@ -72,8 +72,7 @@ def connect(url: str):
 
 
 def url_problem(url: str) -> str | None:
-    """Why a job cannot use `url` (package missing, store unreachable, bucket missing, no permission), or None:
-    a probe object is written, read back and removed."""
+    """Why a job cannot use `url` (package missing, store unreachable, no bucket, no permission), or None."""
     try:
         Store(url, 0).probe()
     except SnapshotError as exc:
@@ -180,8 +179,7 @@ class Store:
     # -- the job's start-up (rank 0) ------------------------------------------------------------------------------
 
     def open(self, job: str, fresh_start: bool) -> None:
-        """Take the prefix for this job: the lock, then commit saves whose parts are all there, move another job's
-        snapshots aside on a fresh start, remove interrupted saves, and fetch the run id and config."""
+        """Take the prefix for this job as SnapshotFolder.prepare takes a folder, and fetch the run id and config."""
         self.probe()
         self.lock = StoreLock(self, job)
         self.lock.acquire()
@@ -269,8 +267,8 @@ class Store:
     # -- loading ---------------------------------------------------------------------------------------------------
 
     def pull(self, step: int, folder: str) -> str | None:
-        """Download a committed snapshot (and the one holding its frozen parameters) into `folder`, every object
-        checked against its manifest; why it is unusable, or None."""
+        """Download a committed snapshot (and the one holding its frozen parameters) into `folder`, each object
+        checked; why it is unusable, or None."""
         todo, done = [step], set()
         try:
             while todo:
@@ -297,8 +295,8 @@ class Store:
 
 
 def load_latest(directory: str, rank: int | None = None) -> dict | None:
-    """The newest snapshot in a folder or on a store whose files all check out (format.load_latest_in_folder says
-    what it holds), or None when there is none; on a store it is downloaded to a temp folder first, and stays."""
+    """The newest snapshot whose files all check out, as load_latest_in_folder (format.py) gives it, of a folder or
+    a store (downloaded to a temp folder, where it stays); None when there is none."""
     if not URL.match(str(directory)):
         return load_latest_in_folder(directory, rank)
     store = Store(str(directory), 0)
@@ -341,13 +339,8 @@ class Uploader:
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait until every submitted save is uploaded (and committed on rank 0); raise the first failure."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
-            while self._pending and self._error is None:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                self._idle.wait(left)
+            self._idle.wait_for(lambda: not self._pending or self._error is not None, timeout)
         self.raise_error()
 
     def raise_error(self) -> None:
