@@ -1,7 +1,5 @@
 """The snapshot format: file names, atomic checksummed writes, the manifest (the commit marker), checked reads.
-
-Nothing here holds state: `Snapshots` (writer.py) writes with these functions, and `load_latest` reads with them.
-"""
+Nothing here holds state: `Snapshots` (writer.py) writes with these functions, and `load_latest` reads with them."""
 
 import hashlib
 import json
@@ -60,12 +58,8 @@ def step_of_folder(name):
     return int(match.group(1)) if match and step_name(int(match.group(1))) == name else None
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Files: atomic writes with a checksum, and checked reads.
-
-
 class _HashingWriter:
-    """A file wrapper that hashes what passes through it, so a file is checksummed as it is written."""
+    """A file wrapper that checksums what is written through it."""
 
     def __init__(self, raw):
         self.raw = raw
@@ -202,7 +196,7 @@ def manifest_problem(manifest, step):
 
 def read_receipt(folder: str, rank: int) -> dict:
     """Rank `rank`'s receipt in a step folder, checked to list exactly that rank's files (its rank file, rank 0's
-    shared.pt, its shards under fsdp); their sizes and sha256 are checked later, against the files."""
+    shared.pt, its shards under fsdp)."""
     path = os.path.join(folder, receipt_file(rank))
     receipt = _read_json(path, "receipt")
     expected = {rank_file(rank)} | ({SHARED} if rank == 0 else set())
@@ -233,9 +227,8 @@ def new_manifest(folder: str, step: int, world_size: int, files: dict, job: str,
 
 
 def receipts_manifest(folder: str, step: int, where: str, fetch=lambda rank: None) -> dict:
-    """The manifest that commits the save of `step` from the receipts in `folder`: rank 0's, there already, names
-    the ranks, the job and `frozen_in`; fetch(rank) puts each other rank's there first (waits for it, downloads
-    it). SnapshotError says what is missing or wrong; `where` names the save in it."""
+    """The manifest that commits the save of `step` from the receipts in `folder` (rank 0's, there already, names
+    the ranks, the job and `frozen_in`); fetch(rank) puts each other rank's there first. `where` names the save."""
     first = read_receipt(folder, 0)
     world_size, job = first.get("world_size"), first.get("job")
     if not isinstance(world_size, int) or not _is_count(world_size, 1, MAX_WORLD_SIZE) or not isinstance(job, str):
@@ -248,8 +241,7 @@ def receipts_manifest(folder: str, step: int, where: str, fetch=lambda rank: Non
 
 
 def finished_save(folder: str, step: int) -> dict:
-    """The manifest of a save its job did not commit although every part of it was written: every rank's receipt is
-    there and every file checks out against it. SnapshotError says what is missing."""
+    """The manifest of a save whose every part was written but whose job ended before committing it."""
     manifest = receipts_manifest(folder, step, folder)
     for name in manifest["files"]:
         check_file(folder, manifest, name)
@@ -267,7 +259,7 @@ def read_manifest(step_path: str) -> dict:
 
 
 def _sharded_files(manifest: dict) -> list[str]:
-    """The names of the torch.distributed.checkpoint files a manifest lists (none for a ddp snapshot)."""
+    """The DCP files a manifest lists (none for a ddp snapshot)."""
     return sorted(name for name in manifest["files"] if SHARDED_FILE.match(name))
 
 
@@ -387,8 +379,7 @@ def newest_usable(steps, load, where: str, agree=lambda ok: ok, advice: str = ""
 
 
 def load_whole(step_path: str, rank: int | None = None) -> dict:
-    """One snapshot as load_latest_in_folder gives it: every rank's files checked, an fsdp snapshot's shards
-    joined; SnapshotError says why it is unusable."""
+    """One snapshot as load_latest_in_folder gives it: every rank's files checked, an fsdp snapshot's shards joined."""
     state = load_step(step_path, None)
     if state["sharded_dir"]:
         for name in sharded_parts(state["sharded_dir"]):
@@ -439,13 +430,13 @@ def _entries(metadata, prefix: str):
 
 
 def sharded_parts(folder: str) -> list[str]:
-    """The parts a torch.distributed.checkpoint folder holds: "model", "optimizer" and model.py's extra ones."""
+    """The parts a DCP folder holds: "model", "optimizer" and model.py's extra ones."""
     metadata = _read_metadata(folder)[1]
     return sorted({key.split(".", 1)[0] for key in metadata.state_dict_metadata})
 
 
 def sharded_keys(folder: str, prefix: str = "model") -> list[str]:
-    """The keys of a part's state_dict (by default the model's) that a torch.distributed.checkpoint folder holds."""
+    """The keys of a part's state_dict (by default the model's) that a DCP folder holds."""
     return [path[1] for path, _ in _entries(_read_metadata(folder)[1], prefix) if len(path) == 2]
 
 

@@ -202,18 +202,16 @@ class Store:
         self.lock.start_heartbeat()
 
     def _commit_finished(self, step: int) -> None:
-        folder = os.path.join(self.local, ".finished", step_name(step))
+        folder, where = os.path.join(self.local, ".finished", step_name(step)), self.where(step_name(step))
         fetch = lambda rank: self.download(  # noqa: E731
             f"{step_name(step)}/{receipt_file(rank)}", os.path.join(folder, receipt_file(rank))
         )
         try:
             fetch(0)
-            self.commit(step, receipts_manifest(folder, step, self.where(step_name(step)), fetch))
-            log.info(
-                "committed %s: every rank's part of it was uploaded before its job ended", self.where(step_name(step))
-            )
+            self.commit(step, receipts_manifest(folder, step, where, fetch))
+            log.info("committed %s: every rank's part of it was uploaded before its job ended", where)
         except (OSError, SnapshotError, TypeError, KeyError) as exc:
-            log.debug("not committing %s: %s", self.where(step_name(step)), exc)
+            log.debug("not committing %s: %s", where, exc)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -49,11 +49,9 @@ class Snapshots(SnapshotFolder):
     """Saves and finds snapshots for one job. Every rank holds one; collectives are called on every rank.
 
     Why not torch.distributed.checkpoint (DCP) for everything: under DDP every rank holds the whole model, so one
-    file by rank 0 plus a small file per rank (its random streams) is all a snapshot needs. What this adds that DCP
-    does not give: a commit marker written after every rank's part, a checksum per file with fallback to the
-    previous snapshot, copies taken off the training thread, pruning, one job per folder. Under --strategy fsdp
-    (`sharded`) each rank's shards are written with DCP, from the writer thread on a gloo group of its own, under the
-    same receipts, checksums and commit marker; DCP reshards them when the number of ranks changes.
+    file by rank 0 plus a small file per rank is all a snapshot needs; DCP gives no commit marker after every rank's
+    part, no checksums with fallback, no copies off the training thread. Under fsdp (`sharded`) each rank's shards
+    are written with DCP (which reshards them for another number of ranks) under the same receipts and marker.
     """
 
     def __init__(
@@ -66,11 +64,8 @@ class Snapshots(SnapshotFolder):
     ):
         super().__init__(directory, env, keep)
         # DCP's collectives run on the writer thread while training runs its own: they need a group of their own.
-        self._group = (
-            dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=commit_timeout))
-            if sharded and env.is_distributed
-            else None
-        )
+        timeout = datetime.timedelta(seconds=commit_timeout)
+        self._group = dist.new_group(backend="gloo", timeout=timeout) if sharded and env.is_distributed else None
         self.commit_timeout = commit_timeout
         self._thread: threading.Thread | None = None
         self._copied = threading.Event()
@@ -92,14 +87,10 @@ class Snapshots(SnapshotFolder):
         sharded_state: dict | None = None,
         frozen_in: int | None = None,
     ) -> None:
-        """Start writing a snapshot of `step` in the background. `frozen_in`: the step whose snapshot holds the
-        model's frozen parameters (this one's, or an older one's when `shared` leaves them out; see frozen.py).
-
-        `shared` (rank 0's model, optimizer, ...) may hold live tensors: the writer thread copies them, and the
-        caller must call wait_until_copied() before anything changes them in place (before optimizer.step()). Only
-        one save is in flight: this waits for the previous one first. CUDA tensors are copied into pinned memory on
-        a side stream, started here without waiting for the device (see DeviceCopies).
-        """
+        """Start writing a snapshot of `step` in the background, after the one in flight. `shared` (rank 0's model,
+        optimizer, ...) may hold live tensors: the writer thread copies them, and the caller must call
+        wait_until_copied() before anything changes them in place. `frozen_in`: the step whose snapshot holds the
+        model's frozen parameters (this one's, or an older one's when `shared` leaves them out; see frozen.py)."""
         if self.uploading():
             self._late(step, "waits for the one before to be uploaded: the store is slow")
         self._wait_written()  # not for uploads to a store: they go on in the background (store.py)
@@ -113,12 +104,8 @@ class Snapshots(SnapshotFolder):
             device_copies.start({("shared",): shared, ("sharded",): shards})
         self._device_copies = device_copies
         self._copied.clear()
-        self._thread = threading.Thread(
-            target=self._write,
-            args=(step, shared, own, device_copies, shards, layouts, frozen_in),
-            name=f"snapshot-{step}",
-            daemon=True,
-        )
+        args = (step, shared, own, device_copies, shards, layouts, frozen_in)
+        self._thread = threading.Thread(target=self._write, args=args, name=f"snapshot-{step}", daemon=True)
         self._thread.start()
         if blocking:
             self.wait()
@@ -175,10 +162,9 @@ class Snapshots(SnapshotFolder):
             raise self._failure(exc) from exc
 
     def finish_after_failure(self, grace: float) -> None:
-        """After a failure: give the save in flight up to `grace` seconds to be written and, on rank 0, committed,
-        so that an error a few steps after a snapshot step does not lose that snapshot. A part that never comes
-        (its rank was killed mid-save) only costs the wait; a save that fails then is logged, not raised: the
-        failure that ended the run is the one to report."""
+        """After a failure: give the save in flight up to `grace` seconds to be written and committed, so that an
+        error soon after a snapshot step does not lose it. A save that fails then is logged, not raised: the failure
+        that ended the run is the one to report."""
         self._give_up_at = time.monotonic() + grace
         if self._thread is not None:
             self._thread.join(grace + 1.0)
@@ -210,10 +196,9 @@ class Snapshots(SnapshotFolder):
         return SnapshotError(f"saving a snapshot failed: {advice.get(_errno_in_chain(error), str(error))}")
 
     def _write_own_part(self, step: int, rank_state: dict, alone: bool) -> dict | None:
-        """Write this rank's own part (its random streams, its place in the data: small) now, on the training
-        thread: once the next step starts, a SIGKILL of this rank cannot lose the snapshot, which the other ranks
-        commit (or the next start does). `alone`: the rank writes nothing else, so its receipt goes too (None
-        returned); else the part's receipt entry, for the receipt the writer thread writes after the rest."""
+        """Write this rank's own (small) part now, on the training thread: a SIGKILL of this rank during the next
+        step cannot lose the snapshot. `alone`: the rank writes nothing else, so its receipt goes too (None
+        returned); else the part's receipt entries, for the receipt the writer thread writes after the rest."""
         folder = self.step_folder(step)
         os.makedirs(folder, exist_ok=True)
         rank, rank_state = self.env.rank, copy_to_cpu(rank_state, self._staging, ("rank",))
@@ -226,8 +211,7 @@ class Snapshots(SnapshotFolder):
         return None
 
     def _write_receipt(self, folder: str, files: dict, frozen_in: int | None = None) -> None:
-        """This rank's receipt: its files, the number of ranks and the job, and on rank 0 `frozen_in` (what a
-        commit at the next start needs)."""
+        """This rank's receipt: what a commit (also at the next start) needs."""
         receipt = {"rank": self.env.rank, "files": files, "world_size": self.env.world_size, "job": self.job}
         if frozen_in is not None:
             receipt["frozen_in"] = frozen_in
@@ -289,8 +273,7 @@ class Snapshots(SnapshotFolder):
         self._prune()
 
     def _write_shards(self, folder, state):
-        """DCP writes this rank's shards (rank 0 also the metadata, once every rank's are written) on the snapshot
-        group; return their receipt entries."""
+        """DCP writes this rank's shards (rank 0 also the metadata) on the snapshot group; their receipt entries."""
         sharded = os.path.join(folder, SHARDED_DIR)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(sharded, sync_files=True), process_group=self._group)
         receipts = {
