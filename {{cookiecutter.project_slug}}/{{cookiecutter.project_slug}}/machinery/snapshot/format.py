@@ -209,14 +209,9 @@ def read_receipt(folder: str, rank: int) -> dict:
 def new_manifest(folder: str, step: int, world_size: int, files: dict, job: str, frozen_in: int | None = None) -> dict:
     """The manifest that commits a save (`frozen_in`: the step whose snapshot holds the frozen parameters, see
     frozen.py); SnapshotError rather than one a reader would reject."""
-    manifest: dict[str, Any] = {
-        "format": FORMAT,
-        "step": step,
-        "world_size": world_size,
-        "files": files,
-        "created": time.time(),
-        "job": job,
-    }
+    manifest: dict[str, Any] = dict(
+        format=FORMAT, step=step, world_size=world_size, files=files, created=time.time(), job=job
+    )
     if frozen_in is not None:
         manifest["frozen_in"] = frozen_in
     manifest["manifest_sha256"] = manifest_digest(manifest)

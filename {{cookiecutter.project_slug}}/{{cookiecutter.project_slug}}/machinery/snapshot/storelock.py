@@ -36,7 +36,6 @@ class StoreLock:
         self.store, self.job = store, job
         self.name = store.path(LOCK_OBJECT)
         self.owner = secrets.token_hex(8)
-        self.etag = ""
         self.lost = ""
         self._stop = threading.Event()
 
@@ -62,7 +61,6 @@ class StoreLock:
         else:
             fs.rm_file(self.name)
             fs.pipe_file(self.name, data, mode="create")
-        self.etag = self._read()[1].get("ETag", "")
 
     def _store_now(self) -> float:
         """The store's clock: the date it gives an object written now (the holder's and this machine's may differ)."""
@@ -76,7 +74,6 @@ class StoreLock:
         for _ in range(10):
             try:
                 self.store.fs.pipe_file(self.name, self._record(), mode="create")
-                self.etag = self._read()[1].get("ETag", "")
                 return
             except FileExistsError:
                 pass
