@@ -15,12 +15,13 @@ from .format import (
     SHARED_FOLDER_WAIT_S,
     URL,
     SnapshotError,
+    check_file,
     file_entry,
-    finished_save,
     list_steps,
     load_step,
     newest_usable,
     read_manifest,
+    receipts_manifest,
     step_name,
     write_json_atomic,
 )
@@ -220,7 +221,9 @@ class SnapshotFolder:
         for step in list_steps(self.directory)[1]:
             folder = self.step_folder(step)
             try:
-                manifest = finished_save(folder, step)
+                manifest = receipts_manifest(folder, step, folder)
+                for name in manifest["files"]:
+                    check_file(folder, manifest, name)
             except SnapshotError as exc:
                 log.debug("not committing %s: %s", folder, exc)
                 continue

@@ -235,14 +235,6 @@ def receipts_manifest(folder: str, step: int, where: str, fetch=lambda rank: Non
     return new_manifest(where, step, world_size, files, job, first.get("frozen_in"))
 
 
-def finished_save(folder: str, step: int) -> dict:
-    """The manifest of a save whose every part was written but whose job ended before committing it."""
-    manifest = receipts_manifest(folder, step, folder)
-    for name in manifest["files"]:
-        check_file(folder, manifest, name)
-    return manifest
-
-
 def read_manifest(step_path: str) -> dict:
     """The manifest of a step folder, checked whole; SnapshotError says what is wrong with it."""
     path = os.path.join(step_path, MANIFEST)
