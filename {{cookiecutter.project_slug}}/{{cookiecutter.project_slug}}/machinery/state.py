@@ -4,19 +4,12 @@
                                              losses), and model.py's extra_state parts
     rank parts (each rank writes its own):   rng (its random streams), data (its place in a stream, for streams)
 
-Saving and restoring loop over the parts, in the order they were added: the model before the optimizer (which
-holds its parameters), the optimizer before the scheduler (which sets its learning rate). ddp and fsdp differ only
-in how the model and the optimizer turn into tensors: under fsdp they are each rank's shards, written with
-torch.distributed.checkpoint (see snapshot/). Frozen parameters (requires_grad=False) are written once, not in every
-snapshot (frozen.py). The random streams are restored by the trainer itself, last, right
-before the first step (`TrainState.restore` hands them back), so that nothing in between draws from them.
-
-To snapshot something of your own (an EMA copy of the weights), return it from `extra_state(cfg, model, optimizer)`
-in model.py as {name: part}: anything with state_dict() and load_state_dict() whose state holds tensors, numbers,
-strings and containers of them. Under fsdp it is written with the model's shards (its tensors may be DTensors). Its
-state is copied at the snapshot step, on the training thread (the model and optimizer are copied off it, before the
-next optimizer step): a part that compute_loss changes (a counter, a running statistic) is saved as it was at that
-step. Its name may be none of those the snapshot holds already (RESERVED).
+Parts are saved and restored in the order they were added: the model before the optimizer (which holds its
+parameters), the optimizer before the scheduler (which sets its learning rate). Under fsdp the model, the optimizer
+and the extra parts are each rank's shards, written with torch.distributed.checkpoint. The random streams are
+restored by the trainer itself, last, right before the first step, so that nothing in between draws from them.
+Parts of your own: `extra_state` in model.py (docs/recipes.md); they are copied at the snapshot step, on the
+training thread, so a part that compute_loss changes is saved as it was at that step.
 """
 
 from __future__ import annotations
@@ -48,7 +41,9 @@ BESIDE_PARTS = (
     "rank_states",
     "world_size",
     "sharded_dir",
-    *("frozen_in", "frozen_dir", "frozen_filled"),
+    "frozen_in",
+    "frozen_dir",
+    "frozen_filled",
 )
 RESERVED = ("model", "optimizer", "scheduler", "scaler", "progress", "rng", "data", *BESIDE_PARTS)
 
@@ -78,11 +73,7 @@ class ModelPart:
         self.model = model
 
     def state_dict(self) -> dict[str, Any]:
-        state = self.model.state_dict()
-        for name, buffer in self.model.named_buffers():
-            if name in state:
-                state[name] = buffer.detach().clone()
-        return state
+        return _with_buffers_copied(self.model, self.model.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         misfit = _misfit(self.model.state_dict(), state)
@@ -116,8 +107,7 @@ class ScalerPart:
 
 
 class TrainState:
-    """The parts of a snapshot, in order; `sharded` (fsdp): the model, the optimizer and model.py's extra parts are
-    written as shards, through torch.distributed.checkpoint."""
+    """The parts of a snapshot, in order; `sharded` (fsdp): the model, the optimizer and the extra parts are shards."""
 
     def __init__(self, env: DistEnv, sharded: bool):
         self.env, self.sharded = env, sharded
@@ -126,11 +116,8 @@ class TrainState:
         self.extra: list[str] = []  # model.py's extra_state parts, among the shared ones
         self._frozen: FrozenWeights | None = None
 
-    def has(self, name: str) -> bool:
-        return name in self.shared or name in self.rank or name in BESIDE_PARTS
-
     def add(self, name: str, part: Stateful, per_rank: bool = False, extra: bool = False) -> None:
-        if self.has(name):
+        if name in self.shared or name in self.rank or name in BESIDE_PARTS:
             raise ValueError(f"a snapshot part named {name!r} exists already")
         (self.rank if per_rank else self.shared)[name] = part
         if extra:
@@ -146,21 +133,17 @@ class TrainState:
         return self._frozen
 
     def capture(self, without_frozen: bool = False) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
-        """(shared parts, this rank's parts, sharded parts or None), the tensors still live: the snapshot writer
-        copies them off the training thread before the next optimizer step. `without_frozen`: the model's frozen
-        parameters are left out (an older snapshot holds them, see frozen.py)."""
+        """(shared parts, this rank's parts, sharded parts or None), the tensors still live (the writer copies them);
+        `without_frozen`: the model's frozen parameters are left out (an older snapshot holds them, see frozen.py)."""
         left_out = self.frozen.names if without_frozen else set()
         sharded_state = None
         if self.sharded:
-            # DCP keeps one copy of each buffer (BatchNorm statistics): make it rank 0's, as under ddp. The next
-            # step starts from rank 0's anyway.
+            # DCP keeps one copy of each buffer (BatchNorm statistics): make it rank 0's, as under ddp
             model = self._model()
             distributed.broadcast_buffers(self.env, model)
             model_state, optimizer_state = get_state_dict(model, optimizers_of(self._optimizer()))
-            for name, buffer in model.named_buffers():
-                if name in model_state:
-                    model_state[name] = buffer.detach().clone()
             model_state = {key: value for key, value in model_state.items() if key not in left_out}
+            _with_buffers_copied(model, model_state)
             sharded_state = {"model": model_state, "optimizer": optimizer_state}
             sharded_state.update({name: copied(self.shared[name].state_dict()) for name in self.extra})
         shared = {name: self._unsharded_state(name, part) for name, part in self.shared.items()}
@@ -224,9 +207,8 @@ class TrainState:
         return rank_state["rng"]
 
     def _load_shards(self, resumed: dict[str, Any], folder: str) -> set[str]:
-        """The model's and optimizer's shards (resharded by torch.distributed.checkpoint when the number of ranks
-        changed), with the optimizer's hyperparameters as OptimizerPart restores them; the model's entries this
-        snapshot left to an older one (its frozen_dir) from there. Returns the names of those."""
+        """Load the model's and optimizer's shards (DCP reshards them for another number of ranks), the entries left
+        to an older snapshot from its frozen_dir; return the names of those."""
         model, optimizer = self._model(), self._optimizer()
         started = resumed.get("optimizer", {})
         self.shared["optimizer"].check(started)  # type: ignore[attr-defined]
@@ -304,6 +286,14 @@ def estimated_bytes(model: nn.Module) -> int:
     optimizer's state of those that train (Adam's two moments). The summary reports the size measured on disk."""
     sizes = [(p.numel() * p.element_size(), p.requires_grad) for p in model.parameters()]
     return sum(size * (3 if trains else 1) for size, trains in sizes) + 2**20
+
+
+def _with_buffers_copied(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """`state` with the model's buffers in it copied now: the next forward changes them (BatchNorm statistics)."""
+    for name, buffer in model.named_buffers():
+        if name in state:
+            state[name] = buffer.detach().clone()
+    return state
 
 
 def _misfit(expected: dict, found: dict) -> str:

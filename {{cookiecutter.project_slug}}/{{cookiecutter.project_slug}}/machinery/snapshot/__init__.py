@@ -16,24 +16,17 @@ Layout of the snapshot folder (one job per folder; on several machines it must b
                                names the step whose snapshot holds the model's frozen parameters, when another
                                one does (they are written once, not in every snapshot: see frozen.py)
 
-Every file is written to a temporary name in the same folder, fsynced and renamed into place. A step
-folder without manifest.json is an interrupted save: it is never loaded. The next start commits it when every
-rank's receipt is there and every file checks out against it (its job ended before rank 0 committed it), and
-removes it otherwise. The manifest carries a sha256 of its own contents and is checked field by field; loading
-then checks each file's size and sha256 against it. A truncated, emptied or bit-flipped file, or a manifest that is
-malformed or was edited, makes the snapshot skipped with a warning, and the next older one is used. All ranks
-agree on the step they resume from. Only folders named exactly as step_name() names them are snapshots;
-anything else in the folder is left alone.
+Every file is written to a temporary name, fsynced and renamed. A step folder without manifest.json is an
+interrupted save, never loaded: the next start commits it when every receipt is there and every file checks out,
+and removes it otherwise. A snapshot whose manifest or files do not check out is skipped with a warning; all ranks
+resume from the same one. Only folders named exactly as step_name() names them are snapshots.
 
-A fresh start (`prepare(..., fresh_start=True)`, `--resume never`) moves what the folder holds aside into the
-sibling folder `<folder>.set-aside-<date>-<time>`, unless the snapshots there were written by this same torchrun
-job: then this is a restart of that job, and it resumes. When the folder is a symbolic link, the folder it points
-to is moved aside (beside it) and made anew, so the link keeps its place and its disk.
+A fresh start (`--resume never`) moves what the folder holds aside into `<folder>.set-aside-<date>-<time>` (for a
+symbolic link, the folder it points to), unless this same torchrun job wrote the snapshots: that is a restart.
 
-Where the code is: format.py (names, checksummed atomic writes, the manifest, checked reads of a folder),
-rng.py (random streams), staging.py (copies off the training thread), folder.py (the folder's life: prepare,
-resume, set aside, prune), writer.py (`Snapshots`: save in the background and commit), store.py (the same on
-object storage: `--snapshot-dir s3://bucket/prefix`; `load_latest` of a folder or a store).
+Where the code is: format.py (names, checksummed writes, the manifest, checked reads), rng.py, staging.py (copies
+off the training thread), folder.py (prepare, resume, set aside, prune), writer.py (`Snapshots`: save and commit),
+store.py (the same on object storage; `load_latest` of a folder or a store).
 """
 
 from .format import (

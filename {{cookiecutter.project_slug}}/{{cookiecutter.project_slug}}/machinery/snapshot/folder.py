@@ -8,8 +8,6 @@ import shutil
 import time
 from typing import cast
 
-import torch.distributed as dist
-
 from .. import distributed, identity, joblock
 from .format import (
     MANIFEST,
@@ -17,12 +15,13 @@ from .format import (
     SHARED_FOLDER_WAIT_S,
     URL,
     SnapshotError,
-    finished_save,
+    check_file,
+    file_entry,
     list_steps,
     load_step,
     newest_usable,
     read_manifest,
-    sha256_file,
+    receipts_manifest,
     step_name,
     write_json_atomic,
 )
@@ -43,11 +42,10 @@ def _eventually(check, timeout=SHARED_FOLDER_WAIT_S, interval=0.2):
 
 
 class SnapshotFolder:
-    """The folder side of one job's snapshots. Every rank holds one; collectives are called on every rank.
+    """The folder side of one job's snapshots. Every rank holds one; collectives are called on every rank. Rank 0
+    holds the folder's job lock from prepare() to close(): call close() in a `finally`."""
 
-    Rank 0 holds the folder's job lock from prepare() to close(): call close() when training ends, also after a
-    failure (in a `finally`).
-    """
+    commit_timeout = 600.0  # seconds rank 0 waits for every rank's part before a save fails (Snapshots sets it)
 
     def __init__(self, directory: str, env: distributed.DistEnv, keep: int):
         # On a store (an fsspec URL), self.directory is this rank's local staging folder (store.py)
@@ -61,40 +59,34 @@ class SnapshotFolder:
         self._closed = False
 
     def step_folder(self, step: int) -> str:
-        """The folder of the snapshot of `step`."""
         return os.path.join(self.directory, step_name(step))
 
     # -- start-up ------------------------------------------------------------------------------------------------
 
     def prepare(self, estimated_bytes: int, fresh_start: bool = False) -> None:
-        """Take the folder for this job and check it early.
-
-        Rank 0 takes the job lock (another live job's folder is refused), moves old contents aside when
-        `fresh_start` asks for it (see the module docstring), checks the folder is writable, has room and is
-        seen by every rank, and clears what interrupted saves and start-ups left. (The run id kept in the folder
-        is tracking's: tracking.run_id.)
-        Errors are decided on rank 0 and raised on every rank, so no rank is left waiting at a collective.
+        """Take the folder for this job and check it early: rank 0 takes the job lock, moves old contents aside
+        when `fresh_start` asks for it (see __init__.py), checks the folder is writable, has room and is seen by
+        every rank, and clears what interrupted saves and start-ups left. Errors are decided on rank 0 and raised
+        on every rank, so no rank is left waiting at a collective.
         """
         try:
-            self._prepare(estimated_bytes, fresh_start)
+            if self.store is not None:
+                self._prepare_store(fresh_start)
+            else:
+                self._prepare_folder(estimated_bytes, fresh_start)
         except BaseException:
             self.close()
             raise
 
-    def _prepare(self, estimated_bytes, fresh_start):
+    def _prepare_folder(self, estimated_bytes, fresh_start):
         env = self.env
-        if self.store is not None:
-            self._prepare_store(fresh_start)
-            return
         token, main_directory = distributed.decided_on_rank_0(
             env, lambda: (self._check_folder(estimated_bytes, fresh_start), self.directory), SnapshotError
         )
         probe = os.path.join(self.directory, f".probe-{token}")
         visible = _eventually(lambda: os.path.exists(probe))
-        views = [(env.rank, visible, self.directory)]
-        if env.is_distributed:  # every rank learns who does not see the folder, so each says the same
-            views = [None] * env.world_size
-            dist.all_gather_object(views, (env.rank, visible, self.directory))  # CPU (gloo) also under nccl
+        # every rank learns who does not see the folder, so each says the same
+        views = distributed.all_gather_object(env, (env.rank, visible, self.directory))
         blind = [f"rank {rank} does not, looking in {directory}" for rank, seen, directory in views if not seen]
         distributed.barrier(env)
         if env.is_main:
@@ -107,8 +99,7 @@ class SnapshotFolder:
             )
 
     def _prepare_store(self, fresh_start):
-        """The store's prefix is taken by rank 0 (store.Store.open); every rank starts an empty staging folder."""
-
+        """Rank 0 takes the store's prefix (store.Store.open); every rank starts an empty staging folder."""
         store = cast(Store, self.store)
 
         def take() -> None:
@@ -125,23 +116,27 @@ class SnapshotFolder:
         if not self.env.is_main:  # rank 0's was emptied once it held the lock
             shutil.rmtree(self.directory, ignore_errors=True)
             os.makedirs(self.directory)
-        timeout = getattr(self, "commit_timeout", 600.0)
-        self.uploads = Uploader(self.store, self.env.rank, self.keep, timeout)
+        self.uploads = Uploader(store, self.env.rank, self.keep, self.commit_timeout)
+
+    def _manifest(self, step: int) -> dict | None:
+        """The checked manifest of the committed snapshot of `step`, or None where it does not check out."""
+        if self.store is not None:
+            return self.store.read_manifest(step)
+        try:
+            return read_manifest(self.step_folder(step))
+        except SnapshotError:
+            return None
 
     def size(self, step: int) -> int:
         """The bytes of the committed snapshot of `step`, as its checked manifest lists them (0 where there is none)."""
-        try:
-            manifest = self.store.read_manifest(step) if self.store else read_manifest(self.step_folder(step))
-        except SnapshotError:  # a folder's manifest that does not check out (the store's reader gives None)
-            manifest = None
+        manifest = self._manifest(step)
         return sum(entry["size"] for entry in manifest["files"].values()) if manifest else 0
 
     def keep_beside(self, name: str) -> None:
-        """Rank 0: on a store, upload a file written beside the snapshots (the run id, stop.py's record) to the store
-        too."""
+        """Rank 0, on a store: upload a file written beside the snapshots (the run id, stop.py's record) too."""
         if self.store is not None and self.env.is_main:
             path = os.path.join(self.directory, name)
-            self.store.upload(path, name, {"size": os.path.getsize(path), "sha256": sha256_file(path)})
+            self.store.upload(path, name, file_entry(path))
 
     def _check_folder(self, estimated_bytes, fresh_start):
         """Rank 0's part of prepare(): the token of the probe file it writes; SnapshotError naming a problem."""
@@ -183,7 +178,8 @@ class SnapshotFolder:
         committed = list_steps(self.directory)[0]
         if not committed:
             return None
-        if self.job and newest_job(self.directory, committed) == self.job:
+        newest_job = next((manifest["job"] for manifest in map(self._manifest, committed) if manifest), None)
+        if self.job and newest_job == self.job:
             log.info(
                 "%s holds snapshots of this same torchrun job (%s): this is a restart, resuming from them",
                 self.directory,
@@ -219,14 +215,15 @@ class SnapshotFolder:
         return None
 
     def _commit_finished_saves(self):
-        """Commit the saves whose job ended before committing them although every part was written: each rank writes
-        its own part before its next step, so a rank SIGKILLed after a snapshot step leaves a save that the others
-        (or, when they end too soon, this start) can commit. What is missing or fails its checksum is left to
-        _remove_interrupted_saves."""
+        """Commit the saves whose every part was written but whose job ended before committing them (a rank
+        SIGKILLed after a snapshot step: each rank writes its own part before its next step). The rest is left to
+        remove_interrupted_saves."""
         for step in list_steps(self.directory)[1]:
             folder = self.step_folder(step)
             try:
-                manifest = finished_save(folder, step)
+                manifest = receipts_manifest(folder, step, folder)
+                for name in manifest["files"]:
+                    check_file(folder, manifest, name)
             except SnapshotError as exc:
                 log.debug("not committing %s: %s", folder, exc)
                 continue
@@ -234,12 +231,9 @@ class SnapshotFolder:
             log.info("committed %s: every rank's part of it was written before its job ended", folder)
 
     def resume(self) -> dict | None:
-        """The newest snapshot good for every rank, loaded on every rank; None when the folder holds none.
-
-        Each rank checks the files it needs (shared.pt and its own rank file; on a store, it downloads the whole
-        snapshot into its staging folder first). A snapshot counts only if every rank found its files good;
-        otherwise all ranks move to the next older one together.
-        """
+        """The newest snapshot good for every rank, loaded on every rank; None when the folder holds none. Each rank
+        checks the files it needs (from a store, downloaded to its staging folder first); all ranks move to the next
+        older one together unless every rank found its files good."""
         env, store = self.env, self.store
         if store is not None:  # rank 0 lists the store: every rank walks the same steps
             committed = distributed.broadcast_object(env, store.steps()[0] if env.is_main else None)
@@ -281,8 +275,8 @@ class SnapshotFolder:
         return state
 
     def _set_aside(self, steps):
-        """Rename damaged snapshots, kept for a post-mortem, out of the way of the saves to come; on a store, where
-        they stay, remove their downloaded copies."""
+        """Rename damaged snapshots out of the way, kept for a post-mortem (on a store, where they stay, remove their
+        downloaded copies)."""
         if self.store is not None:
             for step in steps:
                 shutil.rmtree(self.step_folder(step), ignore_errors=True)
@@ -312,31 +306,17 @@ class SnapshotFolder:
         committed, _ = list_steps(self.directory)
         needed = set(committed[: self.keep])
         for step in committed[: self.keep]:
-            try:
-                needed.add(read_manifest(self.step_folder(step)).get("frozen_in", step))
-            except SnapshotError:
-                continue  # an unreadable snapshot is never loaded: what it refers to is not needed for it
+            if manifest := self._manifest(step):  # one that does not check out is never loaded: it needs nothing
+                needed.add(manifest.get("frozen_in", step))
         for step in committed:
-            if step in needed:
-                continue
-            folder = self.step_folder(step)
-            os.remove(os.path.join(folder, MANIFEST))  # uncommit first: a half-removed folder is never loaded
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-def newest_job(directory, committed):
-    """The job that wrote the newest snapshot whose manifest checks out, or None."""
-    for step in committed:
-        try:
-            return read_manifest(os.path.join(directory, step_name(step)))["job"]
-        except SnapshotError:
-            continue
-    return None
+            if step not in needed:
+                folder = self.step_folder(step)
+                os.remove(os.path.join(folder, MANIFEST))  # uncommit first: a half-removed folder is never loaded
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def remove_leftovers(directory):
-    """Probe files and run-id temp files of start-ups that died half-way (no other job is here: we hold
-    the lock)."""
+    """Remove probe files and run-id temp files of start-ups that died half-way (we hold the lock)."""
     for name in os.listdir(directory):
         if name.startswith(".probe-") or name.startswith(f"{RUN_FILE}.tmp-"):
             path = os.path.join(directory, name)

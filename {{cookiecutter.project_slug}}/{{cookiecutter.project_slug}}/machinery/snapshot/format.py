@@ -1,7 +1,5 @@
 """The snapshot format: file names, atomic checksummed writes, the manifest (the commit marker), checked reads.
-
-Nothing here holds state: `Snapshots` (writer.py) writes with these functions, and `load_latest` reads with them.
-"""
+Nothing here holds state: `Snapshots` (writer.py) writes with these functions, and `load_latest` reads with them."""
 
 import hashlib
 import json
@@ -57,17 +55,11 @@ def receipt_file(rank: int) -> str:
 def step_of_folder(name):
     """The step a folder name stands for, or None unless it is exactly step_name(step)."""
     match = STEP_DIR.match(name)
-    if not match or step_name(int(match.group(1))) != name:
-        return None
-    return int(match.group(1))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Files: atomic writes with a checksum, and checked reads.
+    return int(match.group(1)) if match and step_name(int(match.group(1))) == name else None
 
 
 class _HashingWriter:
-    """A file wrapper that hashes what passes through it, so a file is checksummed as it is written."""
+    """A file wrapper that checksums what is written through it."""
 
     def __init__(self, raw):
         self.raw = raw
@@ -81,14 +73,6 @@ class _HashingWriter:
 
     def flush(self):
         self.raw.flush()
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_atomic(path: str, write) -> dict:
@@ -105,7 +89,11 @@ def write_atomic(path: str, write) -> dict:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    _fsync_dir(os.path.dirname(path))
+    fd = os.open(os.path.dirname(path), os.O_RDONLY)  # the rename itself is durable only once its folder is synced
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return {"size": writer.size, "sha256": writer.sha256.hexdigest()}
 
 
@@ -113,12 +101,30 @@ def write_json_atomic(path: str, obj) -> dict:
     return write_atomic(path, lambda f: f.write(json.dumps(obj, indent=1, sort_keys=True).encode()))
 
 
-def sha256_file(path):
-    digest = hashlib.sha256()
+def stream_entry(handle) -> dict:
+    """The receipt entry of what `handle` reads (a local file, an object on a store): its size and sha256."""
+    digest, size = hashlib.sha256(), 0
+    for block in iter(lambda: handle.read(1 << 22), b""):
+        digest.update(block)
+        size += len(block)
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def file_entry(path: str) -> dict:
     with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return stream_entry(handle)
+
+
+def sha256_file(path):
+    return file_entry(path)["sha256"]
+
+
+def _read_json(path: str, what: str) -> Any:  # a receipt, a manifest
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise SnapshotError(f"{path}: unreadable {what} ({type(exc).__name__}: {exc})") from exc
 
 
 def _is_count(value, low=0, high=None):
@@ -189,14 +195,10 @@ def manifest_problem(manifest, step):
 
 
 def read_receipt(folder: str, rank: int) -> dict:
-    """Rank `rank`'s receipt in a step folder, checked: it lists exactly that rank's files (its rank file, rank 0's
-    shared.pt, its shards under fsdp), each with a size and sha256 (checked later, against the files)."""
+    """Rank `rank`'s receipt in a step folder, checked to list exactly that rank's files (its rank file, rank 0's
+    shared.pt, its shards under fsdp)."""
     path = os.path.join(folder, receipt_file(rank))
-    try:
-        with open(path, encoding="utf-8") as handle:
-            receipt = json.load(handle)
-    except (OSError, ValueError, RecursionError) as exc:
-        raise SnapshotError(f"{path}: unreadable receipt ({type(exc).__name__}: {exc})") from exc
+    receipt = _read_json(path, "receipt")
     expected = {rank_file(rank)} | ({SHARED} if rank == 0 else set())
     files = receipt.get("files") if isinstance(receipt, dict) else None
     if not isinstance(files, dict) or {name for name in files if shard_of(name) != rank} != expected:
@@ -205,17 +207,11 @@ def read_receipt(folder: str, rank: int) -> dict:
 
 
 def new_manifest(folder: str, step: int, world_size: int, files: dict, job: str, frozen_in: int | None = None) -> dict:
-    """The manifest that commits a save of `world_size` ranks whose receipts list `files` (and whose frozen
-    parameters are in the snapshot of step `frozen_in`, see frozen.py); SnapshotError rather than one a reader
-    would reject."""
-    manifest: dict[str, Any] = {
-        "format": FORMAT,
-        "step": step,
-        "world_size": world_size,
-        "files": files,
-        "created": time.time(),
-        "job": job,
-    }
+    """The manifest that commits a save (`frozen_in`: the step whose snapshot holds the frozen parameters, see
+    frozen.py); SnapshotError rather than one a reader would reject."""
+    manifest: dict[str, Any] = dict(
+        format=FORMAT, step=step, world_size=world_size, files=files, created=time.time(), job=job
+    )
     if frozen_in is not None:
         manifest["frozen_in"] = frozen_in
     manifest["manifest_sha256"] = manifest_digest(manifest)
@@ -226,9 +222,8 @@ def new_manifest(folder: str, step: int, world_size: int, files: dict, job: str,
 
 
 def receipts_manifest(folder: str, step: int, where: str, fetch=lambda rank: None) -> dict:
-    """The manifest that commits the save of `step` whose receipts are in `folder`: rank 0's, there already, names
-    the ranks, the job and where the frozen parameters are; fetch(rank) puts each other rank's there first (waits
-    for it, downloads it). SnapshotError says what is missing or wrong; `where` names the save in it."""
+    """The manifest that commits the save of `step` from the receipts in `folder` (rank 0's, there already, names
+    the ranks, the job and `frozen_in`); fetch(rank) puts each other rank's there first. `where` names the save."""
     first = read_receipt(folder, 0)
     world_size, job = first.get("world_size"), first.get("job")
     if not isinstance(world_size, int) or not _is_count(world_size, 1, MAX_WORLD_SIZE) or not isinstance(job, str):
@@ -240,23 +235,10 @@ def receipts_manifest(folder: str, step: int, where: str, fetch=lambda rank: Non
     return new_manifest(where, step, world_size, files, job, first.get("frozen_in"))
 
 
-def finished_save(folder: str, step: int) -> dict:
-    """The manifest of a save its job did not commit although every part of it was written: every rank's receipt is
-    there and every file checks out against it. SnapshotError says what is missing."""
-    manifest = receipts_manifest(folder, step, folder)
-    for name in manifest["files"]:
-        check_file(folder, manifest, name)
-    return manifest
-
-
 def read_manifest(step_path: str) -> dict:
     """The manifest of a step folder, checked whole; SnapshotError says what is wrong with it."""
     path = os.path.join(step_path, MANIFEST)
-    try:
-        with open(path, encoding="utf-8") as handle:
-            manifest = json.load(handle)
-    except (OSError, ValueError, RecursionError) as exc:
-        raise SnapshotError(f"{path}: unreadable manifest ({type(exc).__name__}: {exc})") from exc
+    manifest = _read_json(path, "manifest")
     problem = manifest_problem(manifest, step_of_folder(os.path.basename(os.path.normpath(step_path))))
     if problem:
         raise SnapshotError(f"{path}: malformed manifest: {problem}")
@@ -264,7 +246,7 @@ def read_manifest(step_path: str) -> dict:
 
 
 def _sharded_files(manifest: dict) -> list[str]:
-    """The names of the torch.distributed.checkpoint files a manifest lists (none for a ddp snapshot)."""
+    """The DCP files a manifest lists (none for a ddp snapshot)."""
     return sorted(name for name in manifest["files"] if SHARDED_FILE.match(name))
 
 
@@ -305,17 +287,11 @@ def list_steps(directory: str) -> tuple[list[int], list[int]]:
         return [], []
     for name in names:
         step = step_of_folder(name)
-        if step is None:
-            if STEP_DIR.match(name):
-                log.debug(
-                    "ignoring %s: not a snapshot folder name (%s would be)",
-                    os.path.join(directory, name),
-                    step_name(int(name[len("step-") :])),
-                )
-            continue
-        if not os.path.isdir(os.path.join(directory, name)):
-            continue
-        (committed if os.path.exists(os.path.join(directory, name, MANIFEST)) else incomplete).append(step)
+        if step is None and STEP_DIR.match(name):
+            would_be = step_name(int(name[len("step-") :]))
+            log.debug("ignoring %s: not a snapshot folder name (%s would be)", os.path.join(directory, name), would_be)
+        if step is not None and os.path.isdir(os.path.join(directory, name)):
+            (committed if os.path.exists(os.path.join(directory, name, MANIFEST)) else incomplete).append(step)
     return sorted(committed, reverse=True), sorted(incomplete)
 
 
@@ -325,16 +301,19 @@ def _check_shards(step_path, manifest, shards):
             check_file(step_path, manifest, name)
 
 
+def _fill_frozen(state: dict, frozen: dict) -> None:
+    """Give the snapshot's model the frozen parameters it left to an older snapshot; "frozen_filled" names them."""
+    state["frozen_filled"] = [key for key in frozen if key not in state["model"]]
+    state["model"] = {**{key: frozen[key] for key in state["frozen_filled"]}, **state["model"]}
+
+
 def load_step(step_path, ranks, shards=(0, 1)):
     """The shared state of one snapshot, with `rank_states` for `ranks` (None: every rank); raises SnapshotError.
 
-    A sharded snapshot's torch.distributed.checkpoint files are checked, not loaded (the trainer loads them, on
-    every rank together): those whose index i in the sorted list has i % shards[1] == shards[0]. "sharded_dir"
-    is their folder, or "" for a snapshot without shards.
-
-    A snapshot that leaves the model's frozen parameters to an older one ("frozen_in" in its manifest, see
-    frozen.py) is checked with that one's files: its "model" gets them from there ("frozen_filled" names them), or
-    for a sharded one "frozen_dir" is that one's shards.
+    A sharded snapshot's DCP files are checked, not loaded (the trainer loads them, on every rank together): those
+    at index i of the sorted list with i % shards[1] == shards[0]. "sharded_dir" is their folder ("" for none).
+    A snapshot whose manifest has "frozen_in" (frozen.py) is checked with that older one's files: its "model" gets
+    the frozen parameters from there, or for a sharded one "frozen_dir" is that one's shards.
     """
     manifest = read_manifest(step_path)
     state = load_checked(step_path, manifest, SHARED)
@@ -353,9 +332,7 @@ def load_step(step_path, ranks, shards=(0, 1)):
                 _check_shards(holder, held, shards)
                 state["frozen_dir"] = os.path.join(holder, SHARDED_DIR)
             else:
-                frozen = load_checked(holder, held, SHARED)["model"]
-                state["frozen_filled"] = [key for key in frozen if key not in state["model"]]
-                state["model"] = {**{key: frozen[key] for key in state["frozen_filled"]}, **state["model"]}
+                _fill_frozen(state, load_checked(holder, held, SHARED)["model"])
         except SnapshotError as exc:
             raise SnapshotError(
                 f"{step_path}: its frozen parameters are in {step_name(state['frozen_in'])}, which is unusable: {exc}"
@@ -364,10 +341,10 @@ def load_step(step_path, ranks, shards=(0, 1)):
 
 
 def newest_usable(steps, load, where: str, agree=lambda ok: ok, advice: str = "") -> tuple[Any, list[int]]:
-    """(load(step) of the newest of `steps`, newest first, that loads; the steps skipped before it), or (None, [])
-    when there are no steps. An unusable one (load raises SnapshotError) is skipped with a warning. Ranks that
-    walk together pass `agree` (distributed.all_true): a step counts only when every rank loaded it, so they all
-    move to the next older one together. SnapshotError, with the reasons and `advice`, when none is usable."""
+    """(load(step) of the newest of `steps` (newest first) that loads, the steps skipped before it), or (None, [])
+    when there are none. An unusable one (SnapshotError) is skipped with a warning. Ranks that walk together pass
+    `agree` (distributed.all_true): a step counts only when every rank loaded it. SnapshotError, with the reasons
+    and `advice`, when none is usable."""
     reasons: list[str] = []
     skipped: list[int] = []
     for step in steps:
@@ -389,17 +366,14 @@ def newest_usable(steps, load, where: str, agree=lambda ok: ok, advice: str = ""
 
 
 def load_whole(step_path: str, rank: int | None = None) -> dict:
-    """One snapshot as load_latest_in_folder gives it: every rank's files checked, an fsdp snapshot's shards
-    joined; SnapshotError says why it is unusable."""
+    """One snapshot as load_latest_in_folder gives it: every rank's files checked, an fsdp snapshot's shards joined."""
     state = load_step(step_path, None)
     if state["sharded_dir"]:
         for name in sharded_parts(state["sharded_dir"]):
             if name != "optimizer":  # its shards stay as they are: keyed by parameter, not a state_dict
                 state[name] = read_sharded_model(state["sharded_dir"], name)
         if state["frozen_dir"]:
-            frozen = read_sharded_model(state["frozen_dir"], "model")
-            state["frozen_filled"] = [key for key in frozen if key not in state["model"]]
-            state["model"] = {**{key: frozen[key] for key in state["frozen_filled"]}, **state["model"]}
+            _fill_frozen(state, read_sharded_model(state["frozen_dir"], "model"))
     if rank is not None:
         state["rank_state"] = state["rank_states"].get(rank)
     return state
@@ -421,9 +395,7 @@ def load_latest_in_folder(directory: str, rank: int | None = None) -> dict | Non
 def shard_of(name: str) -> int | None:
     """The rank that writes a file of a sharded snapshot (rank 0 writes DCP's .metadata), or None for another file."""
     match = SHARDED_FILE.match(name)
-    if match is None:
-        return None
-    return int(match.group(2)) if match.group(2) is not None else 0
+    return None if match is None else int(match.group(2) or 0)
 
 
 def _read_metadata(folder: str):
@@ -435,37 +407,34 @@ def _read_metadata(folder: str):
         raise SnapshotError(f"{folder}: unreadable metadata ({type(exc).__name__}: {exc})") from exc
 
 
+def _entries(metadata, prefix: str):
+    """(path, storage metadata) of each entry of part `prefix`; a path is ("model", fqn) or nested deeper."""
+    paths = metadata.planner_data or {}  # flat key "model.<fqn>" -> its path ("model", fqn)
+    for flat_key, item in metadata.state_dict_metadata.items():
+        path = paths.get(flat_key) or tuple(flat_key.split(".", 1))
+        if path[0] == prefix and len(path) >= 2:
+            yield path, item
+
+
 def sharded_parts(folder: str) -> list[str]:
-    """The parts a torch.distributed.checkpoint folder holds: "model", "optimizer" and model.py's extra ones."""
+    """The parts a DCP folder holds: "model", "optimizer" and model.py's extra ones."""
     metadata = _read_metadata(folder)[1]
     return sorted({key.split(".", 1)[0] for key in metadata.state_dict_metadata})
 
 
 def sharded_keys(folder: str, prefix: str = "model") -> list[str]:
-    """The keys of a part's state_dict (by default the model's) that a torch.distributed.checkpoint folder holds."""
-    metadata = _read_metadata(folder)[1]
-    paths = metadata.planner_data or {}  # flat key "model.<fqn>" -> its path ("model", fqn)
-    keys = []
-    for flat_key in metadata.state_dict_metadata:
-        path = paths.get(flat_key) or tuple(flat_key.split(".", 1))
-        if path[0] == prefix and len(path) == 2:
-            keys.append(path[1])
-    return keys
+    """The keys of a part's state_dict (by default the model's) that a DCP folder holds."""
+    return [path[1] for path, _ in _entries(_read_metadata(folder)[1], prefix) if len(path) == 2]
 
 
 def read_sharded_model(folder: str, prefix: str = "model") -> dict[str, Any]:
     """The "model" entry (or another part's, `prefix`) of a torch.distributed.checkpoint folder as a plain
-    state_dict of full-size CPU tensors (no DTensor), without a process group: the metadata gives each entry's
-    global size and dtype, so empty tensors of those are made for that entry only and DCP fills them from every
-    rank's shards. The optimizer's entries are never read. A part's nested dicts come back nested (a list in it
-    comes back as a dict keyed by position)."""
+    state_dict of full-size CPU tensors, without a process group: empty tensors of each entry's global size and
+    dtype (from the metadata) are made and DCP fills them from every rank's shards. The optimizer's entries are
+    never read. Nested dicts come back nested (a list as a dict keyed by position)."""
     reader, metadata = _read_metadata(folder)
-    paths = metadata.planner_data or {}  # flat key "model.<fqn>" -> its path ("model", fqn)
     state: dict[str, Any] = {}
-    for flat_key, item in metadata.state_dict_metadata.items():
-        path = paths.get(flat_key) or (prefix, flat_key[len(prefix) + 1 :])
-        if path[0] != prefix or len(path) < 2 or not flat_key.startswith(prefix + "."):
-            continue
+    for path, item in _entries(metadata, prefix):
         holder = state
         for key in path[1:-1]:
             holder = holder.setdefault(key, {})

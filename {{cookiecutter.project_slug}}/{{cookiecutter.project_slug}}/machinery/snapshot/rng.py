@@ -6,19 +6,16 @@ from typing import cast
 import numpy as np
 import torch
 
+NUMPY_FIELDS = ("kind", "keys", "pos", "has_gauss", "cached_gaussian")  # np.random.get_state()'s, in its order
+
 
 def capture_rng(cuda: bool = True) -> dict:
     """The process's random streams; `cuda=False` leaves CUDA's out (an empty list)."""
-    keys_kind, keys, pos, has_gauss, cached = np.random.get_state()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = (kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss), float(cached))
     return {
         "python": random.getstate(),
-        "numpy": {
-            "kind": keys_kind,
-            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        },
+        "numpy": dict(zip(NUMPY_FIELDS, numpy_state, strict=True)),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if cuda and torch.cuda.is_available() else [],
     }
@@ -26,27 +23,11 @@ def capture_rng(cuda: bool = True) -> dict:
 
 def restore_rng(state: dict) -> None:
     random.setstate(state["python"])
-    numpy_state = state["numpy"]
-    np.random.set_state(
-        (
-            numpy_state["kind"],
-            numpy_state["keys"].numpy().astype(np.uint32),
-            numpy_state["pos"],
-            numpy_state["has_gauss"],
-            numpy_state["cached_gaussian"],
-        )
-    )
+    numpy_state = {**state["numpy"], "keys": state["numpy"]["keys"].numpy().astype(np.uint32)}
+    np.random.set_state(tuple(numpy_state[name] for name in NUMPY_FIELDS))
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def seed_cpu_rng(value: int) -> None:
-    """Seed Python's, NumPy's and torch's CPU stream from `value`; CUDA's are left alone (torch.manual_seed would
-    seed them too)."""
-    random.seed(value)
-    np.random.seed(value % 2**32)
-    torch.default_generator.manual_seed(value)
 
 
 class OwnStreams:
@@ -61,8 +42,10 @@ class OwnStreams:
 
     def __enter__(self) -> "OwnStreams":
         self._outer = capture_rng(cuda=False)
-        if self.state is None:
-            seed_cpu_rng(self.seed)
+        if self.state is None:  # CUDA's streams are left alone: torch.manual_seed would seed them too
+            random.seed(self.seed)
+            np.random.seed(self.seed % 2**32)
+            torch.default_generator.manual_seed(self.seed)
         else:
             restore_rng(self.state)
         return self

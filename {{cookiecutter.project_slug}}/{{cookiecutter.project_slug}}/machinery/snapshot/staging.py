@@ -28,15 +28,10 @@ def copied(obj: Any) -> Any:
 
 
 def copy_to_cpu(obj, staging, path=(), staged=None, used=None):
-    """A deep copy with every tensor copied to CPU memory: what the writer thread serializes.
-
-    Tensors are copied into the buffers of the previous save (`staging`, keyed by their place in `obj`):
-    for a large state, fresh memory costs several times more in page faults than the copy itself, and the
-    training thread waits for this copy at its next wait_until_copied(). The price: one copy of the state stays
-    in memory.
-    A tensor whose place is in `staged` (CUDA tensors, see DeviceCopies) is already on its way to the pinned
-    buffer named there. `used` (a set), when given, collects the places of the staging buffers this copy used.
-    """
+    """A deep copy with every tensor in CPU memory, what the writer thread serializes: tensors go into the buffers
+    of the previous save (`staging`, keyed by place), as fresh memory costs several times the copy in page faults,
+    at the price of one copy of the state kept in memory. A place in `staged` (CUDA tensors, see DeviceCopies) is
+    already on its way to that pinned buffer; `used` collects the places of the staging buffers this copy used."""
 
     def copy_one(place, value):
         if not isinstance(value, torch.Tensor):
@@ -56,30 +51,28 @@ def copy_to_cpu(obj, staging, path=(), staged=None, used=None):
 
 
 class DeviceCopies:
-    """The copies of one save's CUDA tensors into pinned CPU buffers, on a side stream of each device.
-
-    save() starts them on the training thread: it only enqueues work, so the training thread never waits for
-    the device. The side stream first waits for the training stream, so each copy sees every change enqueued
-    before save(); the training stream waits for the copies' events, on the device, at wait_until_copied(),
-    before the optimizer changes the tensors in place; the writer thread waits for the same events on the host
-    before it serializes. The pinned buffers are kept from one save to the next, like the CPU staging buffers:
-    allocating pinned memory is slow, and only a copy into pinned memory leaves the host free.
-    """
+    """The copies of one save's CUDA tensors into pinned CPU buffers (kept between saves: allocating them is slow),
+    on a side stream per device. save() only enqueues them, so the training thread never waits for the device.
+    The side stream first waits for the training stream (each copy sees every change enqueued before save()); the
+    training stream waits for the copies on the device at wait_until_copied(), before the optimizer changes the
+    tensors; the writer thread waits for them on the host before it serializes."""
 
     def __init__(self, pinned: dict, streams: dict):
         self.pinned = pinned  # place in the state -> pinned CPU buffer, kept by Snapshots
         self.streams = streams  # device -> its side stream, kept by Snapshots
         self.staged: dict[tuple, torch.Tensor] = {}  # place -> the pinned buffer this save copies that tensor into
-        self.events: list[
-            tuple[torch.device, torch.cuda.Event]
-        ] = []  # (device, event recorded on its side stream after this save's copies)
+        self.events: list[tuple[torch.device, torch.cuda.Event]] = []  # recorded on each side stream after its copies
 
     def start(self, states: dict) -> None:
         """Enqueue a copy of every strided CUDA tensor in `states` ({place prefix: state}), one stream per device."""
         by_device: dict[torch.device, list[tuple[tuple, torch.Tensor]]] = {}
+
+        def collect(place, value):
+            if isinstance(value, torch.Tensor) and value.is_cuda and value.layout == torch.strided:
+                by_device.setdefault(value.device, []).append((place, value.detach()))
+
         for prefix, state in states.items():
-            for path, tensor in _cuda_tensors(state, prefix):
-                by_device.setdefault(tensor.device, []).append((path, tensor))
+            _map_state(state, collect, prefix)
         for device, tensors in by_device.items():
             stream = self.streams.get(device)
             if stream is None:
@@ -111,10 +104,8 @@ class DeviceCopies:
 
 
 def split_dtensors(obj: Any) -> tuple[Any, dict[tuple, tuple]]:
-    """(obj with each DTensor replaced by this rank's local shard, {place: how to put the DTensor back}).
-
-    The copies off the training thread (and onto pinned memory) then treat shards as the plain tensors they are.
-    """
+    """(obj with each DTensor replaced by this rank's local shard, {place: how to put the DTensor back}): the copies
+    off the training thread then treat shards as the plain tensors they are."""
     layouts: dict[tuple, tuple] = {}
 
     def local(place, value):
@@ -136,11 +127,3 @@ def join_dtensors(obj: Any, layouts: dict[tuple, tuple]) -> Any:
         return DTensor.from_local(value, mesh, placements, run_check=False, shape=shape, stride=stride)
 
     return _map_state(obj, wrap)
-
-
-def _cuda_tensors(obj: Any, path: tuple) -> list[tuple[tuple, torch.Tensor]]:
-    """(place, tensor) of every strided CUDA tensor in obj, places as _map_state gives them."""
-    found: list[tuple[tuple, torch.Tensor]] = []
-    cuda = lambda value: isinstance(value, torch.Tensor) and value.is_cuda and value.layout == torch.strided  # noqa: E731
-    _map_state(obj, lambda place, value: found.append((place, value.detach())) if cuda(value) else None, path)
-    return found

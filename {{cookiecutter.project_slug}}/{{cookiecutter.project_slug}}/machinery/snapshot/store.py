@@ -1,15 +1,9 @@
 """Snapshots on object storage (`--snapshot-dir s3://bucket/prefix`, gs://, az://, file://), through fsspec.
 
-A store has no rename, and the ranks of a job may share no filesystem. So each rank writes its part of a save to a
-local staging folder of its own first (the code path of a local snapshot folder, under the system's temp dir),
-and a background thread (`Uploader`) uploads it: each object is read back and its size and sha256 checked against
-the receipt, the rank's receipt goes last, and rank 0 writes the manifest once every rank's receipt is on the
-store and every object it lists is there at its size. A snapshot whose manifest object is missing is never loaded.
-Training never waits for the store: a slow one makes snapshots late (one WARNING), connection errors and 5xx
-replies are retried with backoff. Loading (resume, `load_latest(url)`) downloads the newest snapshot whose
-objects all check out, falling back to older ones. One job per prefix: storelock.py.
-
-Layout on the store: as in a local snapshot folder (see __init__.py), with job.lock the lock object.
+A store has no rename and the ranks may share no filesystem: each rank writes its part to a local staging folder
+first, and `Uploader` uploads it in the background, each object read back and checked against the receipt, the
+receipt last; rank 0 writes the manifest once every rank's receipt and object is there. Layout as in a local
+folder (__init__.py); one job per prefix (storelock.py).
 """
 
 import hashlib
@@ -29,6 +23,7 @@ from .format import (
     URL,
     SnapshotError,
     check_file,
+    file_entry,
     load_latest_in_folder,
     load_whole,
     newest_usable,
@@ -38,6 +33,7 @@ from .format import (
     receipts_manifest,
     step_name,
     step_of_folder,
+    stream_entry,
 )
 from .storelock import StoreLock, first_line
 
@@ -51,7 +47,7 @@ STOP_RECORD = "stopped.json"  # stop.py's
 
 
 def connect(url: str):
-    """(filesystem, root path) for a URL; StoreError names the extra to install when its package is missing."""
+    """(filesystem, root path) for a URL; SnapshotError names the extra to install when its package is missing."""
     import fsspec
 
     protocol = url.split("://", 1)[0].lower()
@@ -76,11 +72,9 @@ def connect(url: str):
 
 
 def url_problem(url: str) -> str | None:
-    """Why a job cannot use `url` (package missing, store unreachable, bucket missing, no permission), or None:
-    a probe object is written, read back and removed."""
+    """Why a job cannot use `url` (package missing, store unreachable, no bucket, no permission), or None."""
     try:
-        store = Store(url, 0)
-        store.probe()
+        Store(url, 0).probe()
     except SnapshotError as exc:
         return str(exc)
     return None
@@ -117,25 +111,14 @@ def _retried(call, what: str):
             delay = min(delay * 2, 30.0)
 
 
-def _sha256_remote(fs, path: str) -> tuple[int, str]:
-    digest, size = hashlib.sha256(), 0
-    with fs.open(path, "rb", block_size=1 << 22) as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-            size += len(block)
-    return size, digest.hexdigest()
-
-
 class Store:
     """One job's prefix on a store, and this rank's local staging folder for it."""
-
-    lock: StoreLock | None
 
     def __init__(self, url: str, rank: int):
         self.url = url.rstrip("/")
         self.fs, self.root = connect(self.url)
         self.local = staging_folder(self.url, rank)
-        self.lock = None
+        self.lock: StoreLock | None = None
 
     def path(self, *names: str) -> str:
         return "/".join([self.root, *names])
@@ -172,9 +155,10 @@ class Store:
 
         def put():
             self.fs.put_file(local, self.path(name))
-            got = _sha256_remote(self.fs, self.path(name))
-            if got != (entry["size"], entry["sha256"]):
-                raise OSError(f"{self.where(name)} read back as {got[0]} bytes with another checksum")
+            with self.fs.open(self.path(name), "rb", block_size=1 << 22) as handle:
+                got = stream_entry(handle)
+            if (got["size"], got["sha256"]) != (entry["size"], entry["sha256"]):
+                raise OSError(f"{self.where(name)} read back as {got['size']} bytes with another checksum")
 
         _retried(put, f"uploading {self.where(name)}")
 
@@ -195,17 +179,15 @@ class Store:
     # -- the job's start-up (rank 0) ------------------------------------------------------------------------------
 
     def open(self, job: str, fresh_start: bool) -> None:
-        """Take the prefix for this job: the lock, then commit saves whose parts are all there, move another job's
-        snapshots aside on a fresh start, remove interrupted saves, and fetch the run id and config."""
+        """Take the prefix for this job as SnapshotFolder.prepare takes a folder, and fetch the run id and config."""
         self.probe()
         self.lock = StoreLock(self, job)
         self.lock.acquire()
         shutil.rmtree(self.local, ignore_errors=True)  # this rank's staging: no other job of this prefix uses it
         os.makedirs(self.local)
-        committed, incomplete = self.steps()
-        for step in incomplete:
+        for step in self.steps()[1]:
             self._commit_finished(step)
-        committed, incomplete = self.steps()
+        committed = self.steps()[0]
         if fresh_start and committed:
             self._start_fresh(job, committed)
         for step in self.steps()[1]:
@@ -220,18 +202,16 @@ class Store:
         self.lock.start_heartbeat()
 
     def _commit_finished(self, step: int) -> None:
-        folder = os.path.join(self.local, ".finished", step_name(step))
+        folder, where = os.path.join(self.local, ".finished", step_name(step)), self.where(step_name(step))
         fetch = lambda rank: self.download(  # noqa: E731
             f"{step_name(step)}/{receipt_file(rank)}", os.path.join(folder, receipt_file(rank))
         )
         try:
             fetch(0)
-            self.commit(step, receipts_manifest(folder, step, self.where(step_name(step)), fetch))
-            log.info(
-                "committed %s: every rank's part of it was uploaded before its job ended", self.where(step_name(step))
-            )
+            self.commit(step, receipts_manifest(folder, step, where, fetch))
+            log.info("committed %s: every rank's part of it was uploaded before its job ended", where)
         except (OSError, SnapshotError, TypeError, KeyError) as exc:
-            log.debug("not committing %s: %s", self.where(step_name(step)), exc)
+            log.debug("not committing %s: %s", where, exc)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -285,8 +265,8 @@ class Store:
     # -- loading ---------------------------------------------------------------------------------------------------
 
     def pull(self, step: int, folder: str) -> str | None:
-        """Download a committed snapshot (and the one holding its frozen parameters) into `folder`, every object
-        checked against its manifest; why it is unusable, or None."""
+        """Download a committed snapshot (and the one holding its frozen parameters) into `folder`, each object
+        checked; why it is unusable, or None."""
         todo, done = [step], set()
         try:
             while todo:
@@ -313,8 +293,8 @@ class Store:
 
 
 def load_latest(directory: str, rank: int | None = None) -> dict | None:
-    """The newest snapshot in a folder or on a store whose files all check out (format.load_latest_in_folder says
-    what it holds), or None when there is none; on a store it is downloaded to a temp folder first, and stays."""
+    """The newest snapshot whose files all check out, as load_latest_in_folder (format.py) gives it, of a folder or
+    a store (downloaded to a temp folder, where it stays); None when there is none."""
     if not URL.match(str(directory)):
         return load_latest_in_folder(directory, rank)
     store = Store(str(directory), 0)
@@ -357,13 +337,8 @@ class Uploader:
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait until every submitted save is uploaded (and committed on rank 0); raise the first failure."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
-            while self._pending and self._error is None:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                self._idle.wait(left)
+            self._idle.wait_for(lambda: not self._pending or self._error is not None, timeout)
         self.raise_error()
 
     def raise_error(self) -> None:
@@ -388,11 +363,8 @@ class Uploader:
         receipt = read_receipt(folder, self.rank)
         for name, entry in receipt["files"].items():
             self.store.upload(os.path.join(folder, name), f"{step_name(step)}/{name}", entry)
-        own = receipt_file(self.rank)
-        with open(os.path.join(folder, own), "rb") as handle:
-            data = handle.read()
-        entry = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        self.store.upload(os.path.join(folder, own), f"{step_name(step)}/{own}", entry)
+        own = os.path.join(folder, receipt_file(self.rank))
+        self.store.upload(own, f"{step_name(step)}/{receipt_file(self.rank)}", file_entry(own))
         if self.rank == 0:
             self._commit(step, folder)
         shutil.rmtree(folder, ignore_errors=True)
@@ -419,8 +391,7 @@ class Uploader:
             raise SnapshotError(f"not committing {self.store.where(step_name(step))}: the job ended first")
         self.store.commit(step, manifest)
         for name in RUN_FILES:
-            if os.path.exists(os.path.join(self.store.local, name)):
-                with open(os.path.join(self.store.local, name), "rb") as handle:
-                    data = handle.read()
-                _retried(lambda d=data, n=name: self.store.fs.pipe_file(self.store.path(n), d), f"writing {name}")
+            path = os.path.join(self.store.local, name)
+            if os.path.exists(path):
+                self.store.upload(path, name, file_entry(path))
         self.store.prune(self.keep)

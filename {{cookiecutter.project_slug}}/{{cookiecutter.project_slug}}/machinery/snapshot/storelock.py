@@ -1,12 +1,8 @@
-"""One job per prefix of a store: rank 0's lock object `<prefix>/job.lock` ({owner, job, host, pid, heartbeat}).
-
-It is made only where none is (a conditional write: S3's If-None-Match: *, which s3fs sends for mode="create"),
-and rewritten every STORE_LOCK_STALE_S / 6 seconds while the job runs, only if it is still the object this job
-wrote (If-Match its ETag). A lock whose last write is older than STORE_LOCK_STALE_S (environment, default 60 s),
-measured by the store's own clock, is a dead job's and is taken over the same way, so of two jobs taking it over
-one wins; a torchrun restart of the same job takes it over at once. A job whose lock another took over commits
-no more snapshots. Stores other than S3 get no If-Match: a take-over there removes and re-creates the lock.
-"""
+"""One job per prefix of a store: rank 0's lock object `<prefix>/job.lock`, made only where none is (S3's
+If-None-Match: *) and rewritten every STORE_LOCK_STALE_S / 6 s only while it is still this job's (If-Match its
+ETag). One older than STORE_LOCK_STALE_S (environment, default 60 s) by the store's clock is a dead job's and is
+taken over the same way (a restart of the same job takes it at once); other stores than S3 remove and re-create it.
+A job whose lock another took over commits no more snapshots."""
 
 import json
 import logging
@@ -34,13 +30,12 @@ def first_line(exc: BaseException) -> str:
 
 
 class StoreLock:
-    """Rank 0's lock object on the prefix: {owner, job, host, pid, heartbeat}, made only where none is."""
+    """Rank 0's lock object on the prefix: {owner, job, host, pid, heartbeat}."""
 
     def __init__(self, store, job: str):
         self.store, self.job = store, job
         self.name = store.path(LOCK_OBJECT)
         self.owner = secrets.token_hex(8)
-        self.etag = ""
         self.lost = ""
         self._stop = threading.Event()
 
@@ -66,7 +61,6 @@ class StoreLock:
         else:
             fs.rm_file(self.name)
             fs.pipe_file(self.name, data, mode="create")
-        self.etag = self._read()[1].get("ETag", "")
 
     def _store_now(self) -> float:
         """The store's clock: the date it gives an object written now (the holder's and this machine's may differ)."""
@@ -80,7 +74,6 @@ class StoreLock:
         for _ in range(10):
             try:
                 self.store.fs.pipe_file(self.name, self._record(), mode="create")
-                self.etag = self._read()[1].get("ETag", "")
                 return
             except FileExistsError:
                 pass

@@ -15,16 +15,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from .. import distributed
-from .folder import SnapshotFolder
+from .folder import SnapshotFolder, _eventually
 from .format import (
     MANIFEST,
     SHARDED_DIR,
     SHARED,
     SnapshotError,
+    file_entry,
     rank_file,
     receipt_file,
     receipts_manifest,
-    sha256_file,
     shard_of,
     write_atomic,
     write_json_atomic,
@@ -34,33 +34,24 @@ from .staging import DeviceCopies, copy_to_cpu, join_dtensors, split_dtensors
 log = logging.getLogger(__name__)
 
 
-def _errno_in_chain(error):
+def _errno_in_chain(error: BaseException | None, seen: frozenset = frozenset()) -> int | None:
     """The first errno among an exception and those it was raised from or during (torch.save wraps the
     OSError of a failed write in a RuntimeError such as "[enforce fail at inline_container.cc] unexpected pos")."""
-    pending, seen = [error], set()
-    while pending:
-        exc = pending.pop(0)
-        if exc is None or id(exc) in seen:
-            continue
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno:
-            return exc.errno
-        pending += [exc.__cause__, exc.__context__]
-    return None
-
-    # -- saving --------------------------------------------------------------------------------------------------
+    if error is None or id(error) in seen:
+        return None
+    if isinstance(error, OSError) and error.errno:
+        return error.errno
+    seen |= {id(error)}
+    return _errno_in_chain(error.__cause__, seen) or _errno_in_chain(error.__context__, seen)
 
 
 class Snapshots(SnapshotFolder):
     """Saves and finds snapshots for one job. Every rank holds one; collectives are called on every rank.
 
     Why not torch.distributed.checkpoint (DCP) for everything: under DDP every rank holds the whole model, so one
-    file written by rank 0 plus a small file per rank (its random streams) is all a snapshot needs, and DCP's
-    sharded planning adds nothing. What this class adds on top of torch.save is what DCP does not give: a commit
-    marker written after every rank's part, a checksum per file with fallback to the previous snapshot, copies
-    taken off the training thread, pruning, and one job per folder. Under --strategy fsdp (`sharded`) each rank's
-    shards of the model and optimizer are written with DCP, from the writer thread on a gloo group of its own, and
-    come under the same receipts, checksums and commit marker; DCP reshards them when the number of ranks changes.
+    file by rank 0 plus a small file per rank is all a snapshot needs; DCP gives no commit marker after every rank's
+    part, no checksums with fallback, no copies off the training thread. Under fsdp (`sharded`) each rank's shards
+    are written with DCP (which reshards them for another number of ranks) under the same receipts and marker.
     """
 
     def __init__(
@@ -73,13 +64,9 @@ class Snapshots(SnapshotFolder):
     ):
         super().__init__(directory, env, keep)
         # DCP's collectives run on the writer thread while training runs its own: they need a group of their own.
-        self._group = (
-            dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=commit_timeout))
-            if sharded and env.is_distributed
-            else None
-        )
-        self.sharded = sharded
-        self.commit_timeout = commit_timeout  # seconds rank 0 waits for every rank's part before a save fails
+        timeout = datetime.timedelta(seconds=commit_timeout)
+        self._group = dist.new_group(backend="gloo", timeout=timeout) if sharded and env.is_distributed else None
+        self.commit_timeout = commit_timeout
         self._thread: threading.Thread | None = None
         self._copied = threading.Event()
         self._copied.set()
@@ -100,15 +87,10 @@ class Snapshots(SnapshotFolder):
         sharded_state: dict | None = None,
         frozen_in: int | None = None,
     ) -> None:
-        """Start writing a snapshot of `step` in the background. `frozen_in`: the step whose snapshot holds the
-        model's frozen parameters (this one's, or an older one's when `shared` leaves them out; see frozen.py).
-
-        `shared` (rank 0's model, optimizer, ...) may hold live tensors: they are copied off the training path
-        by the writer thread, and the caller must call wait_until_copied() before anything changes them in place
-        (before optimizer.step()). Only one save is in flight: this waits for the previous one first.
-        CUDA tensors are copied into pinned memory on a side stream, started here without waiting for the
-        device (see DeviceCopies); the first save allocates those buffers.
-        """
+        """Start writing a snapshot of `step` in the background, after the one in flight. `shared` (rank 0's model,
+        optimizer, ...) may hold live tensors: the writer thread copies them, and the caller must call
+        wait_until_copied() before anything changes them in place. `frozen_in`: the step whose snapshot holds the
+        model's frozen parameters (this one's, or an older one's when `shared` leaves them out; see frozen.py)."""
         if self.uploading():
             self._late(step, "waits for the one before to be uploaded: the store is slow")
         self._wait_written()  # not for uploads to a store: they go on in the background (store.py)
@@ -122,22 +104,15 @@ class Snapshots(SnapshotFolder):
             device_copies.start({("shared",): shared, ("sharded",): shards})
         self._device_copies = device_copies
         self._copied.clear()
-        self._thread = threading.Thread(
-            target=self._write,
-            args=(step, shared, own, device_copies, shards, layouts, frozen_in),
-            name=f"snapshot-{step}",
-            daemon=True,
-        )
+        args = (step, shared, own, device_copies, shards, layouts, frozen_in)
+        self._thread = threading.Thread(target=self._write, args=args, name=f"snapshot-{step}", daemon=True)
         self._thread.start()
         if blocking:
             self.wait()
 
     def wait_until_copied(self) -> None:
         """Return once the save in flight has copied the state; call it before the optimizer changes the weights.
-
-        For CUDA tensors, "copied" means ordered on the device: work the caller enqueues from here on runs after
-        the copies, and the host does not wait for them.
-        """
+        For CUDA tensors, "copied" means ordered on the device: work enqueued from here on runs after the copies."""
         self._copied.wait()
         if self._device_copies is not None:
             self._device_copies.order_training_stream()
@@ -150,8 +125,7 @@ class Snapshots(SnapshotFolder):
         return self.uploads is not None and (staging or self.uploads.busy())
 
     def skip(self, step: int) -> None:
-        """Leave out the snapshot of `step`: an earlier one is still being uploaded (training calls this on every
-        rank alike, so that no queue of uploads builds up)."""
+        """Leave out the snapshot of `step`: an earlier one is still being uploaded (every rank alike)."""
         self._late(
             step,
             "is skipped: the one before is still being uploaded (uploads are slower than the snapshot "
@@ -162,13 +136,8 @@ class Snapshots(SnapshotFolder):
         """Say that snapshots come late: WARNING the first time (rank 0), DEBUG after."""
         level = logging.WARNING if not self._said_late and self.env.is_main else logging.DEBUG
         self._said_late = True
-        log.log(
-            level,
-            "the snapshot of step %d to %s %s; training goes on",
-            step,
-            self.store.url if self.store else self.directory,
-            what,
-        )
+        where = self.store.url if self.store else self.directory
+        log.log(level, "the snapshot of step %d to %s %s; training goes on", step, where, what)
 
     def wait(self) -> None:
         """Return once the save in flight is written (and, on rank 0, committed); raise if it failed."""
@@ -193,10 +162,9 @@ class Snapshots(SnapshotFolder):
             raise self._failure(exc) from exc
 
     def finish_after_failure(self, grace: float) -> None:
-        """After a failure: give the save in flight up to `grace` seconds to be written and, on rank 0, committed,
-        so that a rank's own error (or a peer's) a few steps after a snapshot step does not lose that snapshot. A
-        part that never comes (its rank was killed mid-save) only costs the wait; a save that fails then is
-        logged, not raised: the failure that ended the run is the one to report."""
+        """After a failure: give the save in flight up to `grace` seconds to be written and committed, so that an
+        error soon after a snapshot step does not lose it. A save that fails then is logged, not raised: the failure
+        that ended the run is the one to report."""
         self._give_up_at = time.monotonic() + grace
         if self._thread is not None:
             self._thread.join(grace + 1.0)
@@ -220,22 +188,17 @@ class Snapshots(SnapshotFolder):
 
     def _failure(self, error: BaseException) -> SnapshotError:
         """A failed save, in words: what to do about a full disk or quota, else the error itself."""
-        code = _errno_in_chain(error)
-        if code == errno.ENOSPC:
-            reason = (
-                f"no space left on {self.directory}; free some space there or keep fewer snapshots (--keep-snapshots)"
-            )
-        elif code == errno.EDQUOT:
-            reason = f"disk quota exceeded on {self.directory}; free some space there or raise the quota"
-        else:
-            reason = str(error)
-        return SnapshotError(f"saving a snapshot failed: {reason}")
+        advice: dict[int | None, str] = {
+            errno.ENOSPC: f"no space left on {self.directory}; free some space there or keep fewer snapshots "
+            "(--keep-snapshots)",
+            errno.EDQUOT: f"disk quota exceeded on {self.directory}; free some space there or raise the quota",
+        }
+        return SnapshotError(f"saving a snapshot failed: {advice.get(_errno_in_chain(error), str(error))}")
 
     def _write_own_part(self, step: int, rank_state: dict, alone: bool) -> dict | None:
-        """Write this rank's own part (its random streams, its place in the data: small) now, on the training
-        thread: once the next step starts, a SIGKILL of this rank cannot lose the snapshot, which the other ranks
-        commit (or the next start does). `alone`: the rank writes nothing else, so its receipt goes too (None
-        returned); else the part's receipt entry, for the receipt the writer thread writes after the rest."""
+        """Write this rank's own (small) part now, on the training thread: a SIGKILL of this rank during the next
+        step cannot lose the snapshot. `alone`: the rank writes nothing else, so its receipt goes too (None
+        returned); else the part's receipt entries, for the receipt the writer thread writes after the rest."""
         folder = self.step_folder(step)
         os.makedirs(folder, exist_ok=True)
         rank, rank_state = self.env.rank, copy_to_cpu(rank_state, self._staging, ("rank",))
@@ -248,8 +211,7 @@ class Snapshots(SnapshotFolder):
         return None
 
     def _write_receipt(self, folder: str, files: dict, frozen_in: int | None = None) -> None:
-        """This rank's receipt: its files, the number of ranks and the job, and on rank 0 the step whose snapshot
-        holds the frozen parameters (what a commit at the next start needs)."""
+        """This rank's receipt: what a commit (also at the next start) needs."""
         receipt = {"rank": self.env.rank, "files": files, "world_size": self.env.world_size, "job": self.job}
         if frozen_in is not None:
             receipt["frozen_in"] = frozen_in
@@ -287,12 +249,15 @@ class Snapshots(SnapshotFolder):
             self._copied.set()
 
     def commit(self, folder, step):
-        """Rank 0, on the writer thread: write the manifest once every rank's receipt is in, then prune old
-        snapshots."""
+        """Rank 0, on the writer thread: write the manifest once every rank's receipt is in, then prune."""
         deadline = time.monotonic() + self.commit_timeout
 
         def arrives(rank):
-            if not self._arrives(os.path.join(folder, receipt_file(rank)), deadline):
+            path = os.path.join(folder, receipt_file(rank))
+            # finish_after_failure may cut the wait short while it runs
+            seen_or_given_up = lambda: os.path.exists(path) or time.monotonic() > self._give_up_at  # noqa: E731
+            _eventually(seen_or_given_up, deadline - time.monotonic(), 0.01)
+            if not os.path.exists(path):
                 raise SnapshotError(
                     f"rank {rank}'s part of {folder} did not appear within {self.commit_timeout:.0f} s: is "
                     "--snapshot-dir a folder every machine shares?"
@@ -307,24 +272,15 @@ class Snapshots(SnapshotFolder):
         log.debug("snapshot %s committed", folder)
         self._prune()
 
-    def _arrives(self, path, deadline):
-        """Whether `path` exists before the deadline (or before settle() gives up on the save)."""
-        while not os.path.exists(path):
-            if time.monotonic() > min(deadline, self._give_up_at):
-                return False
-            time.sleep(0.01)
-        return True
-
     def _write_shards(self, folder, state):
-        """DCP writes this rank's shards (rank 0 also the metadata, once every rank's are written); return their
-        receipts. DCP's collectives run on this writer thread, on the snapshot group only."""
+        """DCP writes this rank's shards (rank 0 also the metadata) on the snapshot group; their receipt entries."""
         sharded = os.path.join(folder, SHARDED_DIR)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(sharded, sync_files=True), process_group=self._group)
-        receipts = {}
-        for name in sorted(os.listdir(sharded)):
-            if shard_of(f"{SHARDED_DIR}/{name}") == self.env.rank:
-                path = os.path.join(sharded, name)
-                receipts[f"{SHARDED_DIR}/{name}"] = {"size": os.path.getsize(path), "sha256": sha256_file(path)}
+        receipts = {
+            f"{SHARDED_DIR}/{name}": file_entry(os.path.join(sharded, name))
+            for name in sorted(os.listdir(sharded))
+            if shard_of(f"{SHARDED_DIR}/{name}") == self.env.rank
+        }
         if self.env.is_main and f"{SHARDED_DIR}/.metadata" not in receipts:
             raise SnapshotError(f"{sharded}: torch.distributed.checkpoint wrote no .metadata")
         return receipts
