@@ -30,6 +30,13 @@ def restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def seed_cpu_rng(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's CPU streams; CUDA's are left alone (torch.manual_seed would seed them too)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.default_generator.manual_seed(seed)
+
+
 class OwnStreams:
     """Random streams of their own (Python's, NumPy's, torch's CPU one): code run `with` them draws from them, and
     the process's streams are as they were before and after. `state` is theirs, None until first used (then seeded
@@ -42,10 +49,8 @@ class OwnStreams:
 
     def __enter__(self) -> "OwnStreams":
         self._outer = capture_rng(cuda=False)
-        if self.state is None:  # CUDA's streams are left alone: torch.manual_seed would seed them too
-            random.seed(self.seed)
-            np.random.seed(self.seed % 2**32)
-            torch.default_generator.manual_seed(self.seed)
+        if self.state is None:
+            seed_cpu_rng(self.seed)
         else:
             restore_rng(self.state)
         return self
