@@ -41,8 +41,10 @@ def finish(trainer: Ending, stop: StopRequest) -> Summary:
     stopped = stop.stopped
     if stopped:
         trainer.warn_from_rank_0(
-            f"stopping at step {trainer.progress.step} of {trainer.length.total_steps} on signal {stop.signal}: saving "
-            "a snapshot; run the same command again to resume"
+            "stopping at step %s of %s on signal %s: saving a snapshot; run the same command again to resume",
+            trainer.progress.step,
+            trainer.length.total_steps,
+            stop.signal,
         )
     if trainer.checkpointer.last_saved != trainer.progress.step:
         trainer.checkpointer.save(blocking=True)
@@ -61,18 +63,29 @@ def finish(trainer: Ending, stop: StopRequest) -> Summary:
         trainer.exports.publish()
     if summary.already_complete:
         log.info(
-            f"already complete: {summary.steps} of {summary.total_steps} steps, last loss {summary.last_loss:.4f}"
-            f"{val_text(summary)}; nothing to train (raise --max-steps or --epochs to train on, or pass --resume never "
-            "to start over)"
+            "already complete: %s of %s steps, last loss %.4f%s; nothing to train (raise --max-steps or --epochs to "
+            "train on, or pass --resume never to start over)",
+            summary.steps,
+            summary.total_steps,
+            summary.last_loss,
+            val_text(summary),
         )
     elif not stopped:
         resumed = f" (resumed at step {trainer.resumed_from})" if trainer.resumed_from >= 0 else ""
         log.info(
-            f"done: {summary.world_size} rank(s), {summary.steps} steps{resumed}, loss {summary.first_loss:.4f} -> "
-            f"{summary.last_loss:.4f}{val_text(summary)}"
+            "done: %s rank(s), %s steps%s, loss %.4f -> %.4f%s",
+            summary.world_size,
+            summary.steps,
+            resumed,
+            summary.first_loss,
+            summary.last_loss,
+            val_text(summary),
         )
     log.info(
-        f"snapshots: {summary.snapshot_dir} (newest {summary.newest_snapshot}); exported weights: {summary.export_dir}"
+        "snapshots: %s (newest %s); exported weights: %s",
+        summary.snapshot_dir,
+        summary.newest_snapshot,
+        summary.export_dir,
     )
     return summary
 

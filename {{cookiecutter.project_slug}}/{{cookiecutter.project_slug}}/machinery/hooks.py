@@ -41,7 +41,7 @@ from .settings import RunError
 
 log = logging.getLogger(__name__)
 
-# file -> hooks it may define; the first of each file's is required.
+# file -> hooks it may define
 HOOKS: dict[str, tuple[str, ...]] = {
     "data": ("build_datasets", "collate", "prepare_data"),
     "model": (
@@ -56,6 +56,7 @@ HOOKS: dict[str, tuple[str, ...]] = {
         "pretrained_weights",
     ),
 }
+REQUIRED = {"data": "build_datasets", "model": "build_model"}  # the other hooks have defaults
 
 
 @dataclass
@@ -101,7 +102,7 @@ class UserCode:
 
     def __init__(self, package: str, env: distributed.DistEnv | None = None):
         self.modules = {name: importlib.import_module(f"{package}.{name}") for name in HOOKS}
-        for file, (name, *_) in HOOKS.items():
+        for file, name in REQUIRED.items():
             if not callable(getattr(self.modules[file], name, None)):
                 raise RunError(f"{file}.py has no function {name}: the trainer needs it (see machinery/hooks.py)")
         self.env, self._agreed = env, env is None

@@ -9,6 +9,8 @@ It runs torch's own elastic launcher (`torch.distributed.launcher.api`) in the c
 notebook (README.md, "From a notebook or a script"): the ranks' output in the caller's sys.stdout and sys.stderr as
 it comes, a failure as one exception naming its cause (`RunError` for a refused setting, also checked here before
 any rank starts; `TrainingFailed`), and KeyboardInterrupt once an interrupt has stopped every rank with a snapshot.
+Unlike mp.spawn, CUDA initialised in the caller, functions defined in a notebook and a script without an
+`if __name__ == "__main__":` guard do not matter: the ranks are fresh interpreters.
 """
 
 from __future__ import annotations
@@ -180,8 +182,9 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
         yield
     finally:
         for name, before in kept.items():
-            os.environ.pop(name, None)
-            if before is not None:
+            if before is None:
+                os.environ.pop(name, None)
+            else:
                 os.environ[name] = before
 
 

@@ -59,9 +59,14 @@ def setup(rank: int, log_file: str = "", level: int = logging.INFO) -> None:
             setattr(file_handler, _START_MARK, os.path.getsize(file_handler.baseFilename))
             handlers.append(file_handler)
 
-    formatter = logging.Formatter(FORMAT, DATE_FORMAT, defaults={"rank": rank})
+    def tag(record: logging.LogRecord) -> bool:  # this rank, even on a record that carries a "rank" of its own
+        record.rank = rank
+        return True
+
+    formatter = logging.Formatter(FORMAT, DATE_FORMAT)
     for handler in handlers:
         setattr(handler, _HANDLER_MARK, True)
+        handler.addFilter(tag)
         handler.setFormatter(formatter)
         root.addHandler(handler)
     lowest = min(console_level, file_level)

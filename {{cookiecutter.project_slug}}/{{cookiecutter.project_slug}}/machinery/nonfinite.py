@@ -157,7 +157,8 @@ def replay_command(env: DistEnv, snapshot_step: int, bad_step: int) -> str:
 
 
 class NonfiniteGuard:
-    """The run's watch over NaN and infinity: the check at each log and snapshot that stops every rank at once."""
+    """The run's watch over NaN and infinity: the check at each log and snapshot that stops every rank at once, and
+    the replay that names where the first non-finite value came from."""
 
     def __init__(self, run: Run):
         # Not a reference that keeps the run alive: the Trainer and its process group's threads go when train()

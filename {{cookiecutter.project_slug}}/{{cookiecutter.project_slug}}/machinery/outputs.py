@@ -197,7 +197,9 @@ class ExportFolder:
         fd = hold(os.path.join(self.directory, OWNER_FILE), wait)
         if fd is None:
             holder = _owner(self.directory, None) or "of unknown id"
-            log.warning(f"{self.directory} is in use by another running job (run {holder}): this run exports to {own}")
+            log.warning(
+                "%s is in use by another running job (run %s): this run exports to %s", self.directory, holder, own
+            )
             self.directory = own
             os.makedirs(own, exist_ok=True)
             fd = hold(os.path.join(own, OWNER_FILE), wait=OWN_FILE_WAIT_S)
@@ -211,8 +213,11 @@ class ExportFolder:
                 aside = aside_path(self.directory, owner, folder=True)
                 _move(self.directory, aside, present, owner)
                 log.info(
-                    f"{self.directory} held the files of run {owner or 'of unknown id'} ({', '.join(present)}): moved "
-                    f"them aside to {aside}"
+                    "%s held the files of run %s (%s): moved them aside to %s",
+                    self.directory,
+                    owner or "of unknown id",
+                    ", ".join(present),
+                    aside,
                 )
             if self.directory != own and os.path.isdir(own):  # this run's files, set aside by another run
                 back = [name for name in EXPORT_FILES if os.path.lexists(os.path.join(own, name))]
@@ -221,7 +226,7 @@ class ExportFolder:
                 if not os.listdir(own):
                     os.rmdir(own)
                 if back:
-                    log.info(f"this run's exported files are back in {self.directory} from {own}")
+                    log.info("this run's exported files are back in %s from %s", self.directory, own)
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"run_id": run_id}).encode())
 

@@ -195,9 +195,10 @@ def _copy_in(target: torch.Tensor, read: Reader | None, env: DistEnv, space: lis
     tensor when it is not sharded by rows (a ddp parameter is itself filled on rank 0 and broadcast in place)."""
     mine = own_rows(target) if isinstance(target, DTensor) else None
     if mine is None:
-        whole = target.detach()
         if isinstance(target, DTensor):
             whole = torch.empty(target.shape, dtype=target.dtype, device=env.device)
+        else:
+            whole = target.detach()
         if read is not None:
             for start, stop in blocks(whole.shape, whole.element_size()):
                 read(start, stop, whole[start:stop] if whole.dim() else whole)

@@ -1,22 +1,17 @@
 """Replica groups that keep training when one fails (`--fault-tolerance torchft`, opt-in), built on torchft.
 
-Each replica group is a torchrun job of its own (DDP among its ranks, its own restarts); the groups average their
-gradients and floating-point buffers through torchft, which forms a quorum of the live groups at every step. When a
-rank dies only its group restarts, and takes a live group's weights, optimizer state and data position over the
-network. docs/replica-groups.md says what changes against plain torchrun, and how to launch it:
+Each replica group is a torchrun job of its own (DDP among its ranks, its own restarts); torchft forms a quorum of
+the live groups at every step and averages gradients and floating-point buffers across them. When a rank dies only
+its group restarts, taking a live group's state over the network. docs/replica-groups.md has the details; launch:
 
     torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 --heartbeat_timeout_ms 500 &   # one per job
     export TORCHFT_LIGHTHOUSE=http://HOST:29510 NUM_REPLICA_GROUPS=2
     REPLICA_GROUP_ID=0 torchrun --standalone --nproc_per_node=N --max-restarts=3 train.py --fault-tolerance torchft &
     REPLICA_GROUP_ID=1 torchrun --standalone --nproc_per_node=N --max-restarts=3 train.py --fault-tolerance torchft
 
-How a step runs: torchft forms the quorum while the step computes (in a thread of its own); each of DDP's gradient
-buckets, once averaged within the group, is averaged over the groups while backward computes the next ones (DDP's
-communication hook); then the buffers are averaged and every rank asks torchft whether the step may be committed.
-Token-weighted losses are averaged within each group over its tokens, then over the groups equally, once backward
-is done and the gradients are scaled by the group's count. A group that dies while the groups connect (within a
-step of the quorum changing) can leave the others waiting up to TIMEOUT before they drop that step; a run that fails
-while torchft forms a quorum leaves EXIT_GRACE seconds after its error.
+A step: the quorum forms in torchft's thread while the step computes; each DDP bucket, averaged within the group, is
+averaged over the groups (a communication hook); then the buffers, then torchft says whether the step commits.
+Token-weighted losses: averaged over the group's tokens, then over the groups equally.
 """
 
 from __future__ import annotations
@@ -137,9 +132,7 @@ class ReplicaGroup(Partners):
         self._pending: list[_Bucket] = []  # this step's gradient buckets, as DDP handed them over
         self._ddp_group: Any = None
         self._skipping = False
-        # Set before the step's last backward: compute_loss returned a sum and a count, so the gradients are scaled
-        # after backward, and only then averaged over the groups
-        self.token_weighted = False
+        self.token_weighted = False  # set by a (sum, count) loss: the gradients are averaged after they are scaled
         self._closed = threading.Event()
         self._progress_at_quorum: dict[str, Any] = {}  # the data position a live group passes on
 
@@ -179,9 +172,7 @@ class ReplicaGroup(Partners):
         store_host, store_port = distributed.store_address()
         kind = torchft.ProcessGroupNCCL if env.device.type == "cuda" else torchft.ProcessGroupGloo
         self._pg = pg = kind(timeout=TIMEOUT)
-        # How long rank 0 of the group tries to reach the lighthouse (and the other ranks their group's rank 0):
-        # torchft's default of 60 s, or --dist-timeout where that is shorter
-        connect = min(CONNECT_TIMEOUT, quorum_timeout)
+        connect = min(CONNECT_TIMEOUT, quorum_timeout)  # to reach the lighthouse (or the group's rank 0)
         try:
             self.manager = torchft.Manager(
                 pg=pg,
@@ -245,7 +236,7 @@ class ReplicaGroup(Partners):
         waited = waiting()
         if waited:
             here = self.manager.num_participants()
-            log.info(f"replica group {self.info.group} waiting for the other replica groups ({here} of {groups} here)")
+            log.info("replica group %s waiting for the other replica groups (%s of %s)", self.info.group, here, groups)
             while waiting():
                 time.sleep(0.1)
                 self.manager.start_quorum()
@@ -253,8 +244,11 @@ class ReplicaGroup(Partners):
         if waited and go_on and alone():
             here = self.manager.num_participants()
             log.warning(
-                f"replica group {self.info.group} starts with {here} of {groups} replica groups: the others did not "
-                f"join within {self._quorum_timeout}"
+                "replica group %s starts with %s of %s replica groups: the others did not join within %s",
+                self.info.group,
+                here,
+                groups,
+                self._quorum_timeout,
             )
         return go_on
 
@@ -349,8 +343,10 @@ class ReplicaGroup(Partners):
             error = self.manager.errored()
             cause = getattr(error, "original_exception", error) if error is not None else "another group's"
             log.warning(
-                f"replica group {self.info.group}: step {self.manager.current_step() + 1} dropped, to be taken again "
-                f"(a replica group failed during it: {_first_line(cause)[:200]})"
+                "replica group %s: step %s dropped, to be taken again (a replica group failed during it: %s)",
+                self.info.group,
+                self.manager.current_step() + 1,
+                _first_line(cause)[:200],
             )
         return committed
 
@@ -381,8 +377,10 @@ class ReplicaGroup(Partners):
                 for pid in siblings:
                     if not _is_child(pid, parent):
                         log.error(
-                            f"replica group {self.info.group}: rank process {pid} of this group is gone: leaving at "
-                            "once, so that torchrun restarts the group"
+                            "replica group %s: rank process %s of this group is gone: leaving at once, so that "
+                            "torchrun restarts the group",
+                            self.info.group,
+                            pid,
                         )
                         _exit_now(1)
 
@@ -410,7 +408,9 @@ class ReplicaGroup(Partners):
         trainer.batches.restart()
         next(trainer.batches)  # the share of the step being committed now, which this group did not train
         trainer.checkpointer.last_saved = None
-        log.info(f"replica group {self.info.group} rejoined at step {trainer.progress.step} with a live group's state")
+        log.info(
+            "replica group %s rejoined at step %s with a live group's state", self.info.group, trainer.progress.step
+        )
 
     def close(self, error: BaseException | None = None) -> None:
         """`error`: the exception that ends the run early, if one does."""
@@ -433,17 +433,17 @@ class ReplicaGroup(Partners):
             _exit_now(code)
 
     def _leave_soon(self, code: int) -> None:
-        """A run that fails while a quorum is being formed: the interpreter's exit would wait for torchft's quorum
-        thread (up to --dist-timeout), so the process leaves by itself with `code` EXIT_GRACE seconds from now if it
-        is still there (its error is logged and recorded for torchrun by then). Not under a debugger."""
+        """A run that fails while a quorum forms: the interpreter's exit would wait for torchft's quorum thread (up to
+        --dist-timeout), so the process leaves with `code` in EXIT_GRACE seconds, its error recorded. Not debugged."""
         if _debugged():
             return
 
         def leave() -> None:
             time.sleep(EXIT_GRACE)
             log.warning(
-                f"replica group {self.info.group}: leaving without waiting for torchft's quorum thread (exit code "
-                f"{code})"
+                "replica group %s: leaving without waiting for torchft's quorum thread (exit code %s)",
+                self.info.group,
+                code,
             )
             _exit_now(code)
 

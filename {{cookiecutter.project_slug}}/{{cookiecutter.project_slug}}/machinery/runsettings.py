@@ -180,10 +180,11 @@ def default_wandb_mode() -> str:
         return os.environ["WANDB_MODE"]
     if os.environ.get("WANDB_API_KEY"):
         return "online"
-    try:
-        return "online" if "api.wandb.ai" in Path.home().joinpath(".netrc").read_text(encoding="utf-8") else "offline"
+    try:  # expanduser, not Path.home(): without HOME and a passwd entry (arbitrary-uid containers) it raises
+        netrc = Path(os.path.expanduser("~/.netrc")).read_text(encoding="utf-8", errors="replace")
     except OSError:
         return "offline"
+    return "online" if "api.wandb.ai" in netrc else "offline"
 
 
 def parse_args(argv: Sequence[str] | None, config_cls: type[SettingsT]) -> SettingsT:

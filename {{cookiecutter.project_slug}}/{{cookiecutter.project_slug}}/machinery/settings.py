@@ -53,7 +53,9 @@ class Rules:
         if found:
             return found
         if isinstance(value, (list, tuple)):
-            return next(filter(None, map(dataclasses.replace(self, check=None).problem, value)), None)
+            items = dataclasses.replace(self, check=None)
+            problems = [problem for problem in map(items.problem, value) if problem]
+            return problems[0] if problems else None
         if self.choices is not None and value not in self.choices:
             return f"must be one of {', '.join(map(str, self.choices))}, got {short_repr(value)}"
         if self.nonempty and value == "":
@@ -373,7 +375,9 @@ def parse_args(argv: Sequence[str] | None, config_cls: type[SettingsT]) -> Setti
             continue  # a default outside the choices means "decide at run time" (--wandb '')
         problem = setting.rules.problem(value)
         if problem:
-            in_file = setting.name in from_file and from_file[setting.name] in (value,)  # `in`: nan is itself
+            in_file = setting.name in from_file and (
+                from_file[setting.name] is value or from_file[setting.name] == value  # `is`: nan is itself
+            )
             parser.error(
                 f"{flag(setting.name)} {problem}" + (f" (set by {setting.name} in --config {path})" if in_file else "")
             )
@@ -394,9 +398,10 @@ def _toml_value(value: Any) -> str:
 def to_toml(cfg: Any) -> str:
     """The settings of `cfg` as a TOML file that --config reads back to an equal config. None is left out where it is
     the default, and written as "none" where it is not."""
-    lines = [
-        f"{setting.name} = {_toml_value('none' if value is None else value)}"
-        for setting in settings(type(cfg))
-        if (value := getattr(cfg, setting.name)) is not None or setting.default is not None
-    ]
+    lines = []
+    for setting in settings(type(cfg)):
+        value = getattr(cfg, setting.name)
+        if value is None and setting.default is None:
+            continue
+        lines.append(f"{setting.name} = {_toml_value('none' if value is None else value)}")
     return "\n".join(lines) + "\n"

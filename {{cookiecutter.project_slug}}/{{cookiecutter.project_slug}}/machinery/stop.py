@@ -33,8 +33,10 @@ def stopped_by_signal(snapshot_dir: str) -> int:
                 record = json.load(handle)
     except (OSError, ValueError):
         return 0
-    stopped_job, signum = (record.get("job"), record.get("signal")) if isinstance(record, dict) else (None, None)
-    return signum if stopped_job == identity.current_job() and isinstance(signum, int) and signum > 0 else 0
+    if not isinstance(record, dict):
+        return 0
+    signum = record.get("signal")
+    return signum if record.get("job") == identity.current_job() and isinstance(signum, int) and signum > 0 else 0
 
 
 class StopRequest:

@@ -359,7 +359,10 @@ class _Zygote:
             self.selector.unregister(client.pidfd)
             os.close(client.pidfd)
         if client.conn.fileno() >= 0:
-            client.conn.setblocking(True)
+            try:
+                client.conn.setblocking(True)
+            except OSError:
+                pass  # gone: _reply finds it so too
             _reply(client.conn, {"exit": os.waitstatus_to_exitcode(status)})
             self.selector.unregister(client.conn)
             client.conn.close()
@@ -442,8 +445,10 @@ def _forget_project_modules() -> None:
             del sys.modules[name]
         elif path and name != "__main__":
             resolved = Path(path).resolve()
-            kept = {"site-packages", "dist-packages"} & set(resolved.parts) or not installed.isdisjoint(
-                resolved.parents
-            )
-            if not kept and (root in resolved.parents or script in resolved.parents):
+            in_packages = "site-packages" in resolved.parts or "dist-packages" in resolved.parts
+            if (
+                not in_packages
+                and installed.isdisjoint(resolved.parents)
+                and (root in resolved.parents or script in resolved.parents)
+            ):
                 del sys.modules[name]

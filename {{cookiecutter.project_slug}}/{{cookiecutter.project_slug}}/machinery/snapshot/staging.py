@@ -55,7 +55,8 @@ class DeviceCopies:
     on a side stream per device. save() only enqueues them, so the training thread never waits for the device.
     The side stream first waits for the training stream (each copy sees every change enqueued before save()); the
     training stream waits for the copies on the device at wait_until_copied(), before the optimizer changes the
-    tensors; the writer thread waits for them on the host before it serializes."""
+    tensors; the writer thread waits for them on the host before it serializes. Only a copy into pinned memory leaves
+    the host free while the device copies."""
 
     def __init__(self, pinned: dict, streams: dict):
         self.pinned = pinned  # place in the state -> pinned CPU buffer, kept by Snapshots

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from .. import distributed
-from .folder import SnapshotFolder, _eventually
+from .folder import SnapshotFolder
 from .format import (
     MANIFEST,
     SHARDED_DIR,
@@ -34,15 +34,20 @@ from .staging import DeviceCopies, copy_to_cpu, join_dtensors, split_dtensors
 log = logging.getLogger(__name__)
 
 
-def _errno_in_chain(error: BaseException | None, seen: frozenset = frozenset()) -> int | None:
+def _errno_in_chain(error: BaseException) -> int | None:
     """The first errno among an exception and those it was raised from or during (torch.save wraps the
     OSError of a failed write in a RuntimeError such as "[enforce fail at inline_container.cc] unexpected pos")."""
-    if error is None or id(error) in seen:
-        return None
-    if isinstance(error, OSError) and error.errno:
-        return error.errno
-    seen |= {id(error)}
-    return _errno_in_chain(error.__cause__, seen) or _errno_in_chain(error.__context__, seen)
+    pending: list[BaseException | None] = [error]
+    seen: set[int] = set()
+    while pending:
+        exc = pending.pop(0)
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno:
+            return exc.errno
+        pending += [exc.__cause__, exc.__context__]
+    return None
 
 
 class Snapshots(SnapshotFolder):
@@ -254,9 +259,10 @@ class Snapshots(SnapshotFolder):
 
         def arrives(rank):
             path = os.path.join(folder, receipt_file(rank))
-            # finish_after_failure may cut the wait short while it runs
-            seen_or_given_up = lambda: os.path.exists(path) or time.monotonic() > self._give_up_at  # noqa: E731
-            _eventually(seen_or_given_up, deadline - time.monotonic(), 0.01)
+            while not os.path.exists(path):  # finish_after_failure may give up on the save meanwhile
+                if time.monotonic() > min(deadline, self._give_up_at):
+                    break
+                time.sleep(0.01)
             if not os.path.exists(path):
                 raise SnapshotError(
                     f"rank {rank}'s part of {folder} did not appear within {self.commit_timeout:.0f} s: is "
