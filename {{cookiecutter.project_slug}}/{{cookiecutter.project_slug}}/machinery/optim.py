@@ -15,7 +15,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from .batches import Progress, RunLength
-from .settings import RunError, flag
+from .settings import RunError, cut_short, flag
 
 
 def default_optimizer(cfg: Any, model: nn.Module) -> torch.optim.Optimizer:
@@ -214,8 +214,7 @@ def optimizer_warnings(model: nn.Module, optimizer: torch.optim.Optimizer) -> li
         ),
     ):
         if names:
-            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-            lines.append("build_optimizer in model.py " + what.format(count=len(names), names=shown))
+            lines.append("build_optimizer in model.py " + what.format(count=len(names), names=cut_short(names, 5)))
     return lines
 
 

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .distributed import DistEnv, decided_on_rank_0
 from .hooks import UserCode
-from .settings import RunError
+from .settings import RunError, cut_short
 
 log = logging.getLogger(__name__)
 SHOWN = 5  # names shown per kind of misfit; the rest are counted
@@ -126,7 +126,7 @@ def misfit(groups: list[tuple[list[str], torch.Tensor]], shapes: dict[str, tuple
         if name in shapes and shapes[name] != tuple(tensor.shape)
     ]
     kinds = {"missing": missing, "unexpected": unexpected, "of another shape": misshaped}
-    parts = [f"{kind} {_listed(names)}" for kind, names in kinds.items() if names]
+    parts = [f"{kind} {cut_short(names, SHOWN)}" for kind, names in kinds.items() if names]
     if not parts:
         return None
     return (
@@ -134,11 +134,6 @@ def misfit(groups: list[tuple[list[str], torch.Tensor]], shapes: dict[str, tuple
         + "; ".join(parts)
         + ". Their names must be the model's own state_dict() keys (a tied parameter under any of its names)"
     )
-
-
-def _listed(names: list[str]) -> str:
-    more = f" and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
-    return ", ".join(names[:SHOWN]) + more
 
 
 def load(model: nn.Module, path: str, env: DistEnv) -> None:

@@ -84,6 +84,12 @@ def short_repr(value: Any, quote: bool = True, limit: int = 60) -> str:
     return f"{text[: limit // 2]}...{text[-10:]} ({len(text)} characters)"
 
 
+def cut_short(names: Sequence[str], shown: int, separator: str = ", ") -> str:
+    """The first `shown` names, joined, and how many more there are: "a, b and 4 more"."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return separator.join(names[:shown]) + more
+
+
 class RunError(Exception):
     """A problem the user fixes (settings, data, machine, an unfitting snapshot): reported as one line, no traceback."""
 

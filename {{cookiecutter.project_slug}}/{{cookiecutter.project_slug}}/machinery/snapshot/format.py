@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from ..settings import short_repr
+from ..settings import cut_short, short_repr
 
 URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")  # s3://, gs://, file://, ...: a store, through fsspec (store.py)
 
@@ -163,7 +163,7 @@ def manifest_problem(manifest, step):
     expected = {SHARED, *(rank_file(rank) for rank in range(world_size))}
     absent = sorted(expected - files.keys())
     if absent:
-        return f"files has no entry for {absent[0]}" + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else "")
+        return f"files has no entry for {cut_short(absent, 1)}"
     extra = sorted(name for name in files.keys() - expected if not SHARDED_FILE.match(name))
     if extra:
         return f"files lists {short_repr(extra[0])}, which a snapshot of {world_size} rank(s) does not have"
