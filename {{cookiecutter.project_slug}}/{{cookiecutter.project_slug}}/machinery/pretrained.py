@@ -114,8 +114,9 @@ def tied_groups(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
     return list(groups.values())
 
 
-def misfit(groups: list[tuple[list[str], torch.Tensor]], shapes: dict[str, tuple[int, ...]], path: str) -> str | None:
-    """One line naming the model's tensors the file lacks, the file's the model has not, and those of other shapes."""
+def misfit(groups: list[tuple[list[str], torch.Tensor]], shapes: dict[str, tuple[int, ...]]) -> dict[str, list[str]]:
+    """How weights (their shapes by name: a file's, a snapshot's) do not fit the model's tensors (`tied_groups`): the
+    model's they lack, theirs the model has not, and those of another shape; each kind found, none when they fit."""
     known = {name for names, _ in groups for name in names}
     missing = [names[0] for names, _ in groups if not any(name in shapes for name in names)]
     unexpected = [name for name in shapes if name not in known]
@@ -126,14 +127,7 @@ def misfit(groups: list[tuple[list[str], torch.Tensor]], shapes: dict[str, tuple
         if name in shapes and shapes[name] != tuple(tensor.shape)
     ]
     kinds = {"missing": missing, "unexpected": unexpected, "of another shape": misshaped}
-    parts = [f"{kind} {cut_short(names, SHOWN)}" for kind, names in kinds.items() if names]
-    if not parts:
-        return None
-    return (
-        f"the weights in {path} (pretrained_weights in model.py) do not fit the model build_model returns: "
-        + "; ".join(parts)
-        + ". Their names must be the model's own state_dict() keys (a tied parameter under any of its names)"
-    )
+    return {kind: names for kind, names in kinds.items() if names}
 
 
 def load(model: nn.Module, path: str, env: DistEnv) -> None:
@@ -147,9 +141,13 @@ def load(model: nn.Module, path: str, env: DistEnv) -> None:
         except Exception as exc:  # ours, or a file that is not what its name says: safetensors', torch's or json's
             detail = str(exc) if isinstance(exc, WeightsError) else f"cannot read {path}: {type(exc).__name__}: {exc}"
             raise RunError(f"pretrained_weights in model.py: {detail}") from exc
-        problem = misfit(groups, opened[0].shapes, path)
-        if problem:
-            raise RunError(problem)
+        kinds = misfit(groups, opened[0].shapes)
+        if kinds:
+            raise RunError(
+                f"the weights in {path} (pretrained_weights in model.py) do not fit the model build_model returns: "
+                + "; ".join(f"{kind} {cut_short(names, SHOWN)}" for kind, names in kinds.items())
+                + ". Their names must be the model's own state_dict() keys (a tied parameter under any of its names)"
+            )
 
     decided_on_rank_0(env, open_checked, RunError)
     weights = opened[0] if opened else None

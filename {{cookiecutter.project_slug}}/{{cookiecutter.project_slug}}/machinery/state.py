@@ -28,6 +28,7 @@ from .batches import Progress
 from .distributed import DistEnv
 from .frozen import FrozenWeights
 from .optim import STARTED_WITH, optimizers_of, reapply_hyperparameters
+from .pretrained import misfit, tied_groups
 from .settings import RunError, flag
 from .snapshot import capture_rng, sharded_keys
 from .snapshot.staging import copied
@@ -76,9 +77,10 @@ class ModelPart:
         return _with_buffers_copied(self.model, self.model.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        misfit = _misfit(self.model.state_dict(), state)
-        if misfit:
-            raise ValueError(misfit)
+        shapes = {name: tuple(value.shape) for name, value in state.items() if isinstance(value, torch.Tensor)}
+        kinds = misfit(tied_groups(self.model), shapes)
+        if kinds:
+            raise ValueError("; ".join(f"{len(names)} {kind}, e.g. {names[0]}" for kind, names in kinds.items()))
         self.model.load_state_dict(state)
 
 
@@ -294,16 +296,3 @@ def _with_buffers_copied(model: nn.Module, state: dict[str, Any]) -> dict[str, A
         if name in state:
             state[name] = buffer.detach().clone()
     return state
-
-
-def _misfit(expected: dict, found: dict) -> str:
-    """How a snapshot's weights differ from the model's, in a few words; '' when they fit."""
-    missing = [k for k in expected if k not in found]
-    unexpected = [k for k in found if k not in expected]
-    reshaped = [k for k in expected if k in found and getattr(found[k], "shape", None) != expected[k].shape]
-    parts = [
-        f"{len(names)} {what}, e.g. {names[0]!r}"
-        for names, what in ((missing, "missing"), (unexpected, "unexpected"), (reshaped, "of another shape"))
-        if names
-    ]
-    return "; ".join(parts)
