@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .distributed import DistEnv, decided_on_rank_0
 from .hooks import UserCode
-from .settings import RunError, cut_short
+from .settings import RunError, cut_short, first_line
 
 log = logging.getLogger(__name__)
 SHOWN = 5  # names shown per kind of misfit; the rest are counted
@@ -139,7 +139,7 @@ def load(model: nn.Module, path: str, env: DistEnv) -> None:
         try:
             opened.append(WeightsFile(path))
         except Exception as exc:  # ours, or a file that is not what its name says: safetensors', torch's or json's
-            detail = str(exc) if isinstance(exc, WeightsError) else f"cannot read {path}: {type(exc).__name__}: {exc}"
+            detail = str(exc) if isinstance(exc, WeightsError) else f"cannot read {path}: {first_line(exc)}"
             raise RunError(f"pretrained_weights in model.py: {detail}") from exc
         kinds = misfit(groups, opened[0].shapes)
         if kinds:
@@ -245,10 +245,9 @@ def build_model(
                 return user.build_model(cfg, train_data)
         except Exception as exc:
             warn(
-                "build_model in model.py cannot run with its parameters on the meta device (%s: %s): the model is "
+                "build_model in model.py cannot run with its parameters on the meta device (%s): the model is "
                 "built as usual, so each rank holds all of it once before it is sharded",
-                type(exc).__name__,
-                str(exc).strip().splitlines()[0] if str(exc).strip() else "",
+                first_line(exc),
             )
     return user.build_model(cfg, train_data).to(env.device)
 

@@ -90,6 +90,12 @@ def cut_short(names: Sequence[str], shown: int, separator: str = ", ") -> str:
     return separator.join(names[:shown]) + more
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception for a one-line message: its type and the first line of what it says, cut short."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
+
+
 class RunError(Exception):
     """A problem the user fixes (settings, data, machine, an unfitting snapshot): reported as one line, no traceback."""
 

@@ -29,7 +29,7 @@ from .distributed import DistEnv
 from .frozen import FrozenWeights
 from .optim import STARTED_WITH, optimizers_of, reapply_hyperparameters
 from .pretrained import misfit, tied_groups
-from .settings import RunError, flag
+from .settings import RunError, first_line, flag
 from .snapshot import capture_rng, sharded_keys
 from .snapshot.staging import copied
 
@@ -192,11 +192,10 @@ class TrainState:
                 else:
                     part.load_state_dict(resumed[name])
         except (RuntimeError, ValueError, KeyError, dcp.api.CheckpointException) as exc:
-            reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
             raise RunError(
-                f"the snapshot {folder} does not fit this model ({reason}): it was written for another model or "
-                f"optimizer. Start from scratch with {flag('resume')} never (what the folder holds is moved aside), "
-                f"or pass another {flag('snapshot_dir')}"
+                f"the snapshot {folder} does not fit this model ({first_line(exc)}): it was written for another "
+                f"model or optimizer. Start from scratch with {flag('resume')} never (what the folder holds is moved "
+                f"aside), or pass another {flag('snapshot_dir')}"
             ) from None
         step, held_in = resumed["step"], resumed.get("frozen_in", resumed["step"])
         self.frozen.loaded(step if held_in == step else held_in if self.frozen.names <= filled else None)
@@ -238,10 +237,9 @@ class TrainState:
         try:
             self.shared[name].load_state_dict(state)
         except Exception as exc:
-            text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
             raise RunError(
                 f"the part {name!r} of extra_state in model.py cannot load its state from the snapshot {folder}: "
-                f"its load_state_dict raised {type(exc).__name__}{': ' + text if text else ''}. Fix it, or start "
+                f"its load_state_dict raised {first_line(exc)}. Fix it, or start "
                 f"from scratch with {flag('resume')} never (what the folder holds is moved aside)"
             ) from None
 
