@@ -29,6 +29,7 @@ from .distributed import DistEnv
 from .frozen import FrozenWeights
 from .optim import STARTED_WITH, optimizers_of, reapply_hyperparameters
 from .pretrained import misfit, tied_groups
+from .runsettings import START_AFRESH
 from .settings import RunError, first_line, flag
 from .snapshot import capture_rng, sharded_keys
 from .snapshot.staging import copied
@@ -175,8 +176,7 @@ class TrainState:
             if name not in resumed:
                 raise RunError(
                     f"the snapshot {folder} holds no part {name!r}, which extra_state in model.py returns now: "
-                    f"resume without it, or start from scratch with {flag('resume')} never (what the folder holds "
-                    "is moved aside)"
+                    f"resume without it, or {START_AFRESH}"
                 )
         filled: set[str] = set(resumed.get("frozen_filled", ()))  # the model's entries the older snapshot gave
         try:
@@ -194,8 +194,7 @@ class TrainState:
         except (RuntimeError, ValueError, KeyError, dcp.api.CheckpointException) as exc:
             raise RunError(
                 f"the snapshot {folder} does not fit this model ({first_line(exc)}): it was written for another "
-                f"model or optimizer. Start from scratch with {flag('resume')} never (what the folder holds is moved "
-                f"aside), or pass another {flag('snapshot_dir')}"
+                f"model or optimizer: {START_AFRESH}, or pass another {flag('snapshot_dir')}"
             ) from None
         step, held_in = resumed["step"], resumed.get("frozen_in", resumed["step"])
         self.frozen.loaded(step if held_in == step else held_in if self.frozen.names <= filled else None)
@@ -239,8 +238,7 @@ class TrainState:
         except Exception as exc:
             raise RunError(
                 f"the part {name!r} of extra_state in model.py cannot load its state from the snapshot {folder}: "
-                f"its load_state_dict raised {first_line(exc)}. Fix it, or start "
-                f"from scratch with {flag('resume')} never (what the folder holds is moved aside)"
+                f"its load_state_dict raised {first_line(exc)}. Fix it, or {START_AFRESH}"
             ) from None
 
     def _model(self) -> nn.Module:
