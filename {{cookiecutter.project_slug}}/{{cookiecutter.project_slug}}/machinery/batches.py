@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker
 
 from .distributed import DistEnv
 from .settings import RunError, flag
-from .snapshot.rng import seed_cpu_rng
+from .snapshot.rng import seed_rng
 
 
 def map_tensors(function: Callable[[torch.Tensor], Any], batch: Any) -> Any:
@@ -159,7 +159,7 @@ class SeededItems(Dataset):
             return
         epoch, index = divmod(key, self.size)
         digest = hashlib.blake2b(f"{self.seed}/{epoch}/{index}".encode(), digest_size=8).digest()
-        seed_cpu_rng(int.from_bytes(digest, "little") >> 1)
+        seed_rng(int.from_bytes(digest, "little") >> 1)
 
 
 def loader(

@@ -363,10 +363,9 @@ def check_replicas(env: DistEnv, model: nn.Module, step: int, moved: set[str]) -
     if not bool(differs.any()):
         return
     first = int(differs.any(dim=0).nonzero()[0])
-    others = [str(rank) for rank in range(env.world_size) if bool(differs[rank, first])]
-    ranks = f"rank {others[0]}" if len(others) == 1 else f"ranks {', '.join(others)}"
+    others = [rank for rank in range(env.world_size) if bool(differs[rank, first])]
     raise RunError(
-        f"{flag('check_replicas')}: after step {step}, {names[first]} on {ranks} differs from rank 0's: the "
-        f"replicas drifted apart (code that depends on the rank, or a tensor changed outside "
+        f"{flag('check_replicas')}: after step {step}, {names[first]} on {distributed.ranks_text(others)} differs "
+        f"from rank 0's: the replicas drifted apart (code that depends on the rank, or a tensor changed outside "
         f"forward and backward); find where with {flag('break_at_step')} or a smaller {flag('check_replicas')}"
     )

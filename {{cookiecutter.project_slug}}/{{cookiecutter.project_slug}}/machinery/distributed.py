@@ -253,6 +253,11 @@ def teardown(clean: bool) -> None:
         dist.destroy_process_group()
 
 
+def ranks_text(ranks: list[int] | list[str]) -> str:
+    """Ranks for a message: "rank 3", or "ranks 0, 2, 5"."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
 # Collectives that are no-ops in a single process, so callers need not ask. Control messages use CPU tensors,
 # which the process group sends through gloo also when its main backend is nccl.
 

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from . import distributed
 from .distributed import DistEnv
+from .settings import cut_short
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +84,9 @@ class FrozenWeights:
         if self.env.is_main:
             log.warning(
                 "%d frozen parameter(s) changed since the snapshot of step %s saved them, although they do not train "
-                "(requires_grad=False): %s%s. The snapshot of step %d holds the whole model again",
+                "(requires_grad=False): %s. The snapshot of step %d holds the whole model again",
                 len(names),
                 self.held_in,
-                ", ".join(names[:3]),
-                f" and {len(names) - 3} more" if len(names) > 3 else "",
+                cut_short(names, 3),
                 step,
             )

@@ -181,15 +181,15 @@ class UserCode:
         if refused:
             if refusal is not None:
                 return  # this rank's own: raised on by the caller
-            ranks = ", ".join(map(str, refused))
-            raise PeerFailed(f"rank {ranks} refused what {self._step_name()} returned at the first step")
+            ranks = distributed.ranks_text(refused)
+            raise PeerFailed(f"{ranks} refused what {self._step_name()} returned at the first step")
         by_kind = {
-            KIND_NAMES[each]: ", ".join(str(rank) for rank, other in enumerate(kinds) if other == each)
+            KIND_NAMES[each]: distributed.ranks_text([rank for rank, other in enumerate(kinds) if other == each])
             for each in sorted(set(kinds))
         }
         raise RunError(
             "compute_loss in model.py returned "
-            + " and ".join(f"{name} on rank {ranks}" for name, ranks in by_kind.items())
+            + " and ".join(f"{name} on {ranks}" for name, ranks in by_kind.items())
             + " at the first step: every rank must return the same kind, each step"
         )
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from . import distributed
 from .batches import Batches, tensors_in
-from .distributed import DistEnv
+from .distributed import DistEnv, ranks_text
 from .settings import RunError, flag
 from .snapshot import restore_rng
 from .state import all_finite
@@ -120,24 +120,20 @@ def describe(origins: list[Origin], step: int) -> str:
     """Where the replay of `step` saw it first, over the ranks: the batch, a module's output, the loss, a gradient."""
     batches = [rank for rank, o in enumerate(origins) if o.batch]
     if batches:
-        return f"the batch of step {step} on {_ranks(batches)} holds NaN or infinity: check the data"
+        return f"the batch of step {step} on {ranks_text(batches)} holds NaN or infinity: check the data"
     modules = [f"module {o.module!r} on rank {rank}" for rank, o in enumerate(origins) if o.module is not None]
     if modules:
         return "the first non-finite forward output: " + ", ".join(modules)
     losses = [rank for rank, o in enumerate(origins) if o.loss]
     if losses:
         return (
-            f"every module's output was finite and the loss was not, on {_ranks(losses)}: loss_fn or compute_loss "
+            f"every module's output was finite and the loss was not, on {ranks_text(losses)}: loss_fn or compute_loss "
             f"in model.py made it"
         )
     parameters = [f"parameter {o.parameter!r} on rank {rank}" for rank, o in enumerate(origins) if o.parameter]
     if parameters:
         return "the first non-finite gradient (before the ranks average it): " + ", ".join(parameters)
     return "the replay saw no non-finite output or gradient (not reproducible: data loading or threads differ?)"
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def replay_command(env: DistEnv, snapshot_step: int, bad_step: int) -> str:
@@ -178,7 +174,7 @@ class NonfiniteGuard:
             return
         step, ranks = found
         if ranks:
-            what = f"the loss is not finite at step {step} on {', '.join(f'rank {rank}' for rank in ranks)}"
+            what = f"the loss is not finite at step {step} on {ranks_text(ranks)}"
         else:
             what = (
                 f"the gradient is not finite at step {step} on every rank (averaged over the ranks; the loss was "

@@ -15,7 +15,8 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from .batches import Progress, RunLength
-from .settings import RunError, flag
+from .runsettings import START_AFRESH
+from .settings import RunError, cut_short
 
 
 def default_optimizer(cfg: Any, model: nn.Module) -> torch.optim.Optimizer:
@@ -73,7 +74,7 @@ class Optimizers(torch.optim.Optimizer):
         if len(saved) != len(self.optimizers):
             raise RunError(
                 f"the snapshot holds {len(saved)} optimizer(s) and build_optimizer now returns "
-                f"{len(self.optimizers)}: resume with the same ones, or start from scratch with --resume never"
+                f"{len(self.optimizers)}: resume with the same ones, or {START_AFRESH}"
             )
         for optimizer, state in zip(self.optimizers, saved, strict=True):
             optimizer.load_state_dict(state)
@@ -138,7 +139,7 @@ class OptimizerPart:
         if then is not None and list(then) != now:
             raise RunError(
                 f"the snapshot holds the optimizer(s) {', '.join(then)} and build_optimizer now returns "
-                f"{', '.join(now)}: resume with the same ones, or start from scratch with {flag('resume')} never"
+                f"{', '.join(now)}: resume with the same ones, or {START_AFRESH}"
             )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -148,7 +149,7 @@ class OptimizerPart:
         if len(saved) != len(current):
             raise RunError(
                 f"the optimizer in the snapshot has {len(saved)} parameter group(s) and build_optimizer now makes "
-                f"{len(current)}: resume with the same groups, or start from scratch with {flag('resume')} never"
+                f"{len(current)}: resume with the same groups, or {START_AFRESH}"
             )
         self.optimizer.load_state_dict({key: value for key, value in state.items() if key != STARTED_WITH})
         reapply_hyperparameters(self.optimizer, current, state.get(STARTED_WITH, {}).get("param_groups"))
@@ -214,8 +215,7 @@ def optimizer_warnings(model: nn.Module, optimizer: torch.optim.Optimizer) -> li
         ),
     ):
         if names:
-            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-            lines.append("build_optimizer in model.py " + what.format(count=len(names), names=shown))
+            lines.append("build_optimizer in model.py " + what.format(count=len(names), names=cut_short(names, 5)))
     return lines
 
 

@@ -179,18 +179,14 @@ class ExportFolder:
             directory = f"{self.store.local}-export"
         self.directory = os.path.abspath(directory)
         self._fd: int | None = None
-        problem = None
-        if env.is_main:
-            try:
-                self._claim(run_id)
-            except OSError as exc:
-                problem = f"cannot claim the export folder {self.directory}: {exc.strerror or exc}"
-        problem, self.directory = distributed.broadcast_object(env, (problem, self.directory))
-        if problem:
+        try:
+            self.directory = distributed.decided_on_rank_0(env, lambda: self._claim(run_id), OSError)
+        except OSError as exc:
             self.close()
-            raise RunError(problem)
+            raise RunError(f"cannot claim the export folder {self.directory}: {exc}") from None
 
-    def _claim(self, run_id: str) -> None:
+    def _claim(self, run_id: str) -> str:
+        """Rank 0's part: hold run.json, move another run's files aside; return the folder this run exports to."""
         own = run_path(self.directory, run_id, folder=True)
         os.makedirs(self.directory, exist_ok=True)
         wait = OWN_FILE_WAIT_S if _owner(self.directory, None) == run_id else 0  # this run's previous attempt, exiting
@@ -229,6 +225,7 @@ class ExportFolder:
                     log.info("this run's exported files are back in %s from %s", self.directory, own)
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"run_id": run_id}).encode())
+        return self.directory
 
     def export(self, parallel: DistributedModel, name: str) -> None:
         """The model's weights as <name> in this folder (report.export), uploaded too when the folder is a store's."""

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .distributed import DistEnv, decided_on_rank_0
 from .hooks import UserCode
-from .settings import RunError
+from .settings import RunError, cut_short, first_line
 
 log = logging.getLogger(__name__)
 SHOWN = 5  # names shown per kind of misfit; the rest are counted
@@ -114,8 +114,9 @@ def tied_groups(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
     return list(groups.values())
 
 
-def misfit(groups: list[tuple[list[str], torch.Tensor]], shapes: dict[str, tuple[int, ...]], path: str) -> str | None:
-    """One line naming the model's tensors the file lacks, the file's the model has not, and those of other shapes."""
+def misfit(groups: list[tuple[list[str], torch.Tensor]], shapes: dict[str, tuple[int, ...]]) -> dict[str, list[str]]:
+    """How weights (their shapes by name: a file's, a snapshot's) do not fit the model's tensors (`tied_groups`): the
+    model's they lack, theirs the model has not, and those of another shape; each kind found, none when they fit."""
     known = {name for names, _ in groups for name in names}
     missing = [names[0] for names, _ in groups if not any(name in shapes for name in names)]
     unexpected = [name for name in shapes if name not in known]
@@ -126,19 +127,7 @@ def misfit(groups: list[tuple[list[str], torch.Tensor]], shapes: dict[str, tuple
         if name in shapes and shapes[name] != tuple(tensor.shape)
     ]
     kinds = {"missing": missing, "unexpected": unexpected, "of another shape": misshaped}
-    parts = [f"{kind} {_listed(names)}" for kind, names in kinds.items() if names]
-    if not parts:
-        return None
-    return (
-        f"the weights in {path} (pretrained_weights in model.py) do not fit the model build_model returns: "
-        + "; ".join(parts)
-        + ". Their names must be the model's own state_dict() keys (a tied parameter under any of its names)"
-    )
-
-
-def _listed(names: list[str]) -> str:
-    more = f" and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
-    return ", ".join(names[:SHOWN]) + more
+    return {kind: names for kind, names in kinds.items() if names}
 
 
 def load(model: nn.Module, path: str, env: DistEnv) -> None:
@@ -150,11 +139,15 @@ def load(model: nn.Module, path: str, env: DistEnv) -> None:
         try:
             opened.append(WeightsFile(path))
         except Exception as exc:  # ours, or a file that is not what its name says: safetensors', torch's or json's
-            detail = str(exc) if isinstance(exc, WeightsError) else f"cannot read {path}: {type(exc).__name__}: {exc}"
+            detail = str(exc) if isinstance(exc, WeightsError) else f"cannot read {path}: {first_line(exc)}"
             raise RunError(f"pretrained_weights in model.py: {detail}") from exc
-        problem = misfit(groups, opened[0].shapes, path)
-        if problem:
-            raise RunError(problem)
+        kinds = misfit(groups, opened[0].shapes)
+        if kinds:
+            raise RunError(
+                f"the weights in {path} (pretrained_weights in model.py) do not fit the model build_model returns: "
+                + "; ".join(f"{kind} {cut_short(names, SHOWN)}" for kind, names in kinds.items())
+                + ". Their names must be the model's own state_dict() keys (a tied parameter under any of its names)"
+            )
 
     decided_on_rank_0(env, open_checked, RunError)
     weights = opened[0] if opened else None
@@ -253,10 +246,9 @@ def build_model(
                 return user.build_model(cfg, train_data)
         except Exception as exc:
             warn(
-                "build_model in model.py cannot run with its parameters on the meta device (%s: %s): the model is "
+                "build_model in model.py cannot run with its parameters on the meta device (%s): the model is "
                 "built as usual, so each rank holds all of it once before it is sharded",
-                type(exc).__name__,
-                str(exc).strip().splitlines()[0] if str(exc).strip() else "",
+                first_line(exc),
             )
     return user.build_model(cfg, train_data).to(env.device)
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from .distributed import DistEnv
-from .settings import flag, to_toml
+from .settings import first_line, flag, to_toml
 from .snapshot import write_atomic
 
 if TYPE_CHECKING:
@@ -81,10 +81,9 @@ def save_pretrained(model: nn.Module, weights: dict[str, Any], folder: str) -> N
     except Exception as exc:  # noqa: BLE001 - the user's model's own method; the run's weights are exported already
         shutil.rmtree(partial, ignore_errors=True)
         log.warning(
-            "%s.save_pretrained failed (%s: %s): %s is not written; %s holds the final weights",
+            "%s.save_pretrained failed (%s): %s is not written; %s holds the final weights",
             type(model).__name__,
-            type(exc).__name__,
-            str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "",
+            first_line(exc),
             folder,
             os.path.join(os.path.dirname(folder), FINAL),
         )

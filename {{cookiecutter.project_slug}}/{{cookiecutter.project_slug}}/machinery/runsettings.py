@@ -19,6 +19,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 BACKENDS = ("auto", "nccl", "gloo")
 STRATEGIES = ("ddp", "fsdp")
 RESUME_MODES = ("auto", "never")
+START_AFRESH = "start from scratch with --resume never (what the folder holds is moved aside)"
 
 
 @dataclass

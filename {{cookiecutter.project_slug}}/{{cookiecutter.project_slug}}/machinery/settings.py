@@ -86,6 +86,18 @@ def short_repr(value: Any, quote: bool = True, limit: int = 60) -> str:
     return f"{text[: limit // 2]}...{text[-10:]} ({len(text)} characters)"
 
 
+def cut_short(names: Sequence[str], shown: int, separator: str = ", ") -> str:
+    """The first `shown` names, joined, and how many more there are: "a, b and 4 more"."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return separator.join(names[:shown]) + more
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception for a one-line message: its type and the first line of what it says, cut short."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
+
+
 class RunError(Exception):
     """A problem the user fixes (settings, data, machine, an unfitting snapshot): reported as one line, no traceback."""
 

@@ -23,6 +23,7 @@ from .hooks import UserCode
 from .optim import OptimizerPart, SampleSchedule, SchedulerPart, as_optimizer, default_optimizer, optimizer_warnings
 from .parallel import DistributedModel
 from .partners import Partners
+from .runsettings import START_AFRESH
 from .settings import RunError, flag
 from .snapshot import RUN_FILE, SnapshotError, Snapshots
 from .state import ModelPart, ProgressPart, RngPart, ScalerPart, TrainState, checked_parts
@@ -173,14 +174,14 @@ def check_resumable(cfg: Any, env: DistEnv, stream: bool, resumed: dict, folder:
     if written_with != cfg.strategy:
         raise RunError(
             f"the snapshot {folder} was written with {flag('strategy')} {written_with}: resume with that "
-            f"strategy, or start from scratch with {flag('resume')} never (what the folder holds is moved aside)"
+            f"strategy, or {START_AFRESH}"
         )
     if resumed["world_size"] != env.world_size:
         if stream:
             raise RunError(
                 f"the snapshot {folder} was written by {resumed['world_size']} rank(s) and this job has "
                 f"{env.world_size}: each rank's place in a stream is its own, so a stream resumes with as "
-                f"many ranks only (or start from scratch with {flag('resume')} never)"
+                f"many ranks only; or {START_AFRESH}"
             )
         warn(
             env,

@@ -28,7 +28,9 @@ from .batches import Progress
 from .distributed import DistEnv
 from .frozen import FrozenWeights
 from .optim import STARTED_WITH, optimizers_of, reapply_hyperparameters
-from .settings import RunError, flag
+from .pretrained import misfit, tied_groups
+from .runsettings import START_AFRESH
+from .settings import RunError, first_line, flag
 from .snapshot import capture_rng, sharded_keys
 from .snapshot.staging import copied
 
@@ -76,9 +78,10 @@ class ModelPart:
         return _with_buffers_copied(self.model, self.model.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        misfit = _misfit(self.model.state_dict(), state)
-        if misfit:
-            raise ValueError(misfit)
+        shapes = {name: tuple(value.shape) for name, value in state.items() if isinstance(value, torch.Tensor)}
+        kinds = misfit(tied_groups(self.model), shapes)
+        if kinds:
+            raise ValueError("; ".join(f"{len(names)} {kind}, e.g. {names[0]}" for kind, names in kinds.items()))
         self.model.load_state_dict(state)
 
 
@@ -173,8 +176,7 @@ class TrainState:
             if name not in resumed:
                 raise RunError(
                     f"the snapshot {folder} holds no part {name!r}, which extra_state in model.py returns now: "
-                    f"resume without it, or start from scratch with {flag('resume')} never (what the folder holds "
-                    "is moved aside)"
+                    f"resume without it, or {START_AFRESH}"
                 )
         filled: set[str] = set(resumed.get("frozen_filled", ()))  # the model's entries the older snapshot gave
         try:
@@ -190,11 +192,9 @@ class TrainState:
                 else:
                     part.load_state_dict(resumed[name])
         except (RuntimeError, ValueError, KeyError, dcp.api.CheckpointException) as exc:
-            reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
             raise RunError(
-                f"the snapshot {folder} does not fit this model ({reason}): it was written for another model or "
-                f"optimizer. Start from scratch with {flag('resume')} never (what the folder holds is moved aside), "
-                f"or pass another {flag('snapshot_dir')}"
+                f"the snapshot {folder} does not fit this model ({first_line(exc)}): it was written for another "
+                f"model or optimizer: {START_AFRESH}, or pass another {flag('snapshot_dir')}"
             ) from None
         step, held_in = resumed["step"], resumed.get("frozen_in", resumed["step"])
         self.frozen.loaded(step if held_in == step else held_in if self.frozen.names <= filled else None)
@@ -236,11 +236,9 @@ class TrainState:
         try:
             self.shared[name].load_state_dict(state)
         except Exception as exc:
-            text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
             raise RunError(
                 f"the part {name!r} of extra_state in model.py cannot load its state from the snapshot {folder}: "
-                f"its load_state_dict raised {type(exc).__name__}{': ' + text if text else ''}. Fix it, or start "
-                f"from scratch with {flag('resume')} never (what the folder holds is moved aside)"
+                f"its load_state_dict raised {first_line(exc)}. Fix it, or {START_AFRESH}"
             ) from None
 
     def _model(self) -> nn.Module:
@@ -294,16 +292,3 @@ def _with_buffers_copied(model: nn.Module, state: dict[str, Any]) -> dict[str, A
         if name in state:
             state[name] = buffer.detach().clone()
     return state
-
-
-def _misfit(expected: dict, found: dict) -> str:
-    """How a snapshot's weights differ from the model's, in a few words; '' when they fit."""
-    missing = [k for k in expected if k not in found]
-    unexpected = [k for k in found if k not in expected]
-    reshaped = [k for k in expected if k in found and getattr(found[k], "shape", None) != expected[k].shape]
-    parts = [
-        f"{len(names)} {what}, e.g. {names[0]!r}"
-        for names, what in ((missing, "missing"), (unexpected, "unexpected"), (reshaped, "of another shape"))
-        if names
-    ]
-    return "; ".join(parts)

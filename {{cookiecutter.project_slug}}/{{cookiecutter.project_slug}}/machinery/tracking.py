@@ -17,7 +17,7 @@ from .distributed import DistEnv
 from .nonfinite import NonfiniteGuard
 from .outputs import RUN_ID
 from .plot import records_in
-from .settings import RunError, flag, short_repr
+from .settings import RunError, first_line, flag, short_repr
 from .snapshot import RUN_FILE, SnapshotError, write_json_atomic
 from .step import Stepper
 
@@ -46,7 +46,7 @@ def _read_or_create_run_id(path: str) -> str:
         write_json_atomic(path, {"run_id": created})
         return created
     except (OSError, ValueError, RecursionError) as exc:
-        raise SnapshotError(f"{path} is damaged ({type(exc).__name__}: {exc}): {remedy}") from exc
+        raise SnapshotError(f"{path} is damaged ({first_line(exc)}): {remedy}") from exc
     if not isinstance(content, dict):
         raise SnapshotError(f"{path} holds a JSON {type(content).__name__}, not an object with a run_id: {remedy}")
     found = content.get("run_id")

@@ -7,10 +7,8 @@ startup.py's, how it ends ending.py's.
 from __future__ import annotations
 
 import logging
-import random
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
@@ -26,6 +24,7 @@ from .partners import Partners
 from .report import Summary, progress_bar, write_config
 from .settings import RunError, flag
 from .snapshot import SnapshotError, Snapshots, restore_rng
+from .snapshot.rng import seed_rng
 from .state import estimated_bytes
 from .stop import StopRequest
 from .tracking import MetricsLog
@@ -109,7 +108,7 @@ class Trainer:
         if start.rng_state is not None:
             restore_rng(start.rng_state)
         else:  # a fresh start, or a resume with another number of ranks: new streams, distinct per rank and step
-            seed_everything(cfg.seed + self.data_env.rank + 1_000_003 * self.progress.step)
+            seed_rng(cfg.seed + self.data_env.rank + 1_000_003 * self.progress.step, every_device=True)
 
     # -- one optimizer step ------------------------------------------------------------------------------------
 
@@ -187,9 +186,3 @@ def train(cfg: Any, env: DistEnv, partners: Partners | None = None) -> Summary:
             trainer.checkpointer.maybe_save()
             stop.agreed()  # every rank learns of a SIGTERM or Ctrl-C at the same step
         return ending.finish(trainer, stop)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)

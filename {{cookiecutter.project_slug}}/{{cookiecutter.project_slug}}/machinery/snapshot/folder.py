@@ -9,6 +9,7 @@ import time
 from typing import cast
 
 from .. import distributed, identity, joblock
+from ..settings import cut_short, first_line
 from .format import (
     MANIFEST,
     RUN_FILE,
@@ -92,10 +93,9 @@ class SnapshotFolder:
         if env.is_main:
             os.remove(probe)
         if blind:
-            more = f"; and {len(blind) - 3} more ranks" if len(blind) > 3 else ""
             raise SnapshotError(
                 f"not every rank sees the snapshot folder {main_directory} that rank 0 writes to "
-                f"({'; '.join(blind[:3])}{more}): on several machines, --snapshot-dir must be a folder they all share"
+                f"({cut_short(blind, 3, '; ')}): on several machines, --snapshot-dir must be a folder they all share"
             )
 
     def _prepare_store(self, fresh_start):
@@ -110,7 +110,7 @@ class SnapshotFolder:
             except joblock.JobLockError as exc:
                 raise SnapshotError(str(exc)) from exc
             except Exception as exc:  # the store's own error
-                raise SnapshotError(f"cannot use the store {store.url}: {type(exc).__name__}: {exc}") from exc
+                raise SnapshotError(f"cannot use the store {store.url}: {first_line(exc)}") from exc
 
         distributed.decided_on_rank_0(self.env, take, SnapshotError)
         if not self.env.is_main:  # rank 0's was emptied once it held the lock

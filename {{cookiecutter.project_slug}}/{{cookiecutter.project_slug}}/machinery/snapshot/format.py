@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from ..settings import short_repr
+from ..settings import cut_short, first_line, short_repr
 
 URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")  # s3://, gs://, file://, ...: a store, through fsspec (store.py)
 
@@ -124,7 +124,7 @@ def _read_json(path: str, what: str) -> Any:  # a receipt, a manifest
         with open(path, encoding="utf-8") as handle:
             return json.load(handle)
     except (OSError, ValueError, RecursionError) as exc:
-        raise SnapshotError(f"{path}: unreadable {what} ({type(exc).__name__}: {exc})") from exc
+        raise SnapshotError(f"{path}: unreadable {what} ({first_line(exc)})") from exc
 
 
 def _is_count(value, low=0, high=None):
@@ -163,7 +163,7 @@ def manifest_problem(manifest, step):
     expected = {SHARED, *(rank_file(rank) for rank in range(world_size))}
     absent = sorted(expected - files.keys())
     if absent:
-        return f"files has no entry for {absent[0]}" + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else "")
+        return f"files has no entry for {cut_short(absent, 1)}"
     extra = sorted(name for name in files.keys() - expected if not SHARDED_FILE.match(name))
     if extra:
         return f"files lists {short_repr(extra[0])}, which a snapshot of {world_size} rank(s) does not have"
@@ -274,7 +274,7 @@ def load_checked(step_path: str, manifest: dict, name: str) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # the checksum matched, so this file was written by something else
-        raise SnapshotError(f"{path}: cannot be loaded ({type(exc).__name__}: {str(exc).splitlines()[0]})") from exc
+        raise SnapshotError(f"{path}: cannot be loaded ({first_line(exc)})") from exc
 
 
 def list_steps(directory: str) -> tuple[list[int], list[int]]:
@@ -404,7 +404,7 @@ def _read_metadata(folder: str):
         reader = dcp.FileSystemReader(folder)
         return reader, reader.read_metadata()
     except Exception as exc:  # the checksums matched: written by something else
-        raise SnapshotError(f"{folder}: unreadable metadata ({type(exc).__name__}: {exc})") from exc
+        raise SnapshotError(f"{folder}: unreadable metadata ({first_line(exc)})") from exc
 
 
 def _entries(metadata, prefix: str):

@@ -30,11 +30,14 @@ def restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def seed_cpu_rng(seed: int) -> None:
-    """Seed Python's, NumPy's and torch's CPU streams; CUDA's are left alone (torch.manual_seed would seed them too)."""
+def seed_rng(seed: int, every_device: bool = False) -> None:
+    """Seed Python's, NumPy's and torch's CPU streams; with every_device, CUDA's (and any other device's) too."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.default_generator.manual_seed(seed)
+    if every_device:
+        torch.manual_seed(seed)
+    else:
+        torch.default_generator.manual_seed(seed)
 
 
 class OwnStreams:
@@ -50,7 +53,7 @@ class OwnStreams:
     def __enter__(self) -> "OwnStreams":
         self._outer = capture_rng(cuda=False)
         if self.state is None:
-            seed_cpu_rng(self.seed)
+            seed_rng(self.seed)
         else:
             restore_rng(self.state)
         return self

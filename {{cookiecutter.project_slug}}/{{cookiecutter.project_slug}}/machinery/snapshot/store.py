@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 
+from ..settings import first_line
 from .format import (
     MANIFEST,
     RUN_FILE,
@@ -35,7 +36,7 @@ from .format import (
     step_of_folder,
     stream_entry,
 )
-from .storelock import StoreLock, first_line
+from .storelock import StoreLock
 
 log = logging.getLogger(__name__)
 

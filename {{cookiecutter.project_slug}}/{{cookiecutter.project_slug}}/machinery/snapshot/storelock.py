@@ -13,6 +13,7 @@ import threading
 import time
 
 from ..joblock import JobLockError
+from ..settings import first_line
 
 log = logging.getLogger(__name__)
 
@@ -21,12 +22,6 @@ LOCK_OBJECT = "job.lock"
 
 def stale_s() -> float:
     return float(os.environ.get("STORE_LOCK_STALE_S", "60"))
-
-
-def first_line(exc: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message (a store's errors run long)."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 class StoreLock:
