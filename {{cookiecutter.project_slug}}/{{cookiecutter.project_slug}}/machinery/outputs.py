@@ -1,11 +1,9 @@
 """What a run writes outside its snapshot folder belongs to that run: the path flags, and who owns each file.
 
 `check_paths` refuses, before anything is built, the path flags rank 0 cannot write (one line, exit code 2).
-`ExportFolder` claims the export folder for one run (`run.json`): another run's files there move aside to
-`<export-dir>.<its run id>` (and come back when that run starts again); while another live job holds the folder,
-this run exports to `<export-dir>.<run id>`. The metrics file (tracking.MetricsFile) follows the same rules. A live
-job holds its files with flock on an open descriptor, released however the process ends: a file that a live process
-appends to is never moved or replaced under it.
+`Claim` holds the export folder (`ExportFolder`) or the metrics file (tracking.MetricsFile) for one run; another
+run's files there move aside to `<export-dir>.<its run id>`, and come back when that run starts again. A live job
+holds its files with flock, released however the process ends: files a live process writes never move under it.
 """
 
 from __future__ import annotations
@@ -15,6 +13,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,16 +123,20 @@ def replace_held(fd: int, path: str, content: bytes) -> int:
     """Replace the file at `path`, which `fd` holds, by one with `content`, atomically; return the new file's held
     descriptor (the old one is closed). No other process can be appending to it: this one holds it."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as handle:
-        handle.write(content)
-        handle.flush()
-        os.fsync(handle.fileno())
+    write_synced(tmp, content)
     new = hold(tmp)
     if new is None:  # nobody else knows this name
         raise RunError(f"cannot hold {tmp}: another process took it")
     os.replace(tmp, path)
     os.close(fd)
     return new
+
+
+def write_synced(path: str, content: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(content)
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def read_held(fd: int) -> bytes:
@@ -164,7 +167,101 @@ def aside_path(path: str, owner: str | None, folder: bool = False) -> str:
     return candidate
 
 
+# -- claiming a path for one run ----------------------------------------------------------------------------------
+
+
+class Claim:
+    """A path one run writes (`path`, held by `fd`), claimed for run `run_id`, a file or a folder alike:
+    1. hold it (a folder: its run.json), waiting OWN_FILE_WAIT_S only for this run's previous attempt (still exiting);
+    2. while another live job holds it: warn, and claim this run's own name (run_path) instead;
+    3. move another run's records there aside, to a name with that run's id (aside_path);
+    4. take back this run's own, set aside earlier at run_path;
+    5. mark it as this run's.
+    A subclass says whose records the path holds and how they move:"""
+
+    owner: Callable[[int | None], str | None]  # their run id (read through the held fd, else unheld); None: unknown
+    set_aside: Callable[[int, str, str | None], bool]  # move them to `aside` (False: none there), the path kept held
+    take_back: Callable[[int, str], int]  # from this run's own name; returns the descriptor that holds the path now
+    folder = False
+    what = "records"  # what the path holds, in messages
+
+    def __init__(self, path: str, run_id: str):
+        self.path, self.run_id, what = os.path.abspath(path), run_id, self.what
+        own = run_path(self.path, run_id, self.folder)
+        fd = self._hold(self.path, 0)
+        if fd is None and self.owner(None) == run_id:
+            fd = self._hold(self.path, OWN_FILE_WAIT_S)
+        if fd is None:
+            holder = self.owner(None) or "of unknown id"
+            log.warning(
+                "%s is held by another live job (run %s): this run writes its %s to %s", self.path, holder, what, own
+            )
+            self.path, fd = own, self._hold(own, OWN_FILE_WAIT_S)
+            if fd is None:
+                raise RunError(f"another process holds {own}, this run's {what}: is this run running twice?")
+        try:
+            owner = self.owner(fd)
+            if owner != run_id and self.set_aside(fd, aside := aside_path(self.path, owner, self.folder), owner):
+                log.info(
+                    "%s held the %s of run %s: moved them aside to %s", self.path, what, owner or "of unknown id", aside
+                )
+            if owner != run_id and self.path != own and (os.path.isdir if self.folder else os.path.isfile)(own):
+                fd = self.take_back(fd, own)
+                log.info("this run's %s are back in %s from %s", what, self.path, own)
+            if self.folder:
+                os.ftruncate(fd, 0)
+                os.write(fd, json.dumps({"run_id": run_id}).encode())
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+
+    def _hold(self, path: str, wait: float) -> int | None:
+        os.makedirs(path if self.folder else os.path.dirname(path), exist_ok=True)
+        return hold(os.path.join(path, OWNER_FILE) if self.folder else path, wait)
+
+
 # -- the export folder -----------------------------------------------------------------------------------------------
+
+
+class _ExportClaim(Claim):
+    folder, what = True, "exported files"
+
+    def owner(self, fd: int | None) -> str | None:
+        """Whom run.json names, else summary.json."""
+        for name in (OWNER_FILE, "summary.json"):
+            try:
+                text = read_held(fd) if fd is not None and name == OWNER_FILE else Path(self.path, name).read_bytes()
+                found = json.loads(text).get("run_id")
+            except (OSError, ValueError, AttributeError, RecursionError):
+                found = None
+            if found is not None:
+                return found if isinstance(found, str) and RUN_ID.match(found) else None
+        return None
+
+    def set_aside(self, fd: int, aside: str, owner: str | None) -> bool:
+        return _move(self.path, aside, owner)
+
+    def take_back(self, fd: int, own: str) -> int:
+        _move(own, self.path, None)
+        Path(own, OWNER_FILE).unlink(missing_ok=True)
+        if not os.listdir(own):
+            os.rmdir(own)
+        return fd
+
+
+def _move(source: str, target: str, owner: str | None) -> bool:
+    """Move what a run exported from folder `source` to folder `target`, with run.json naming `owner`; False if
+    `source` held none of it."""
+    names = [name for name in EXPORT_FILES if os.path.lexists(os.path.join(source, name))]
+    if names:
+        os.makedirs(target, exist_ok=True)
+        for name in names:
+            os.replace(os.path.join(source, name), os.path.join(target, name))
+        if owner is not None:
+            with open(os.path.join(target, OWNER_FILE), "w", encoding="utf-8") as handle:
+                json.dump({"run_id": owner}, handle)
+    return bool(names)
 
 
 class ExportFolder:
@@ -179,53 +276,16 @@ class ExportFolder:
             directory = f"{self.store.local}-export"
         self.directory = os.path.abspath(directory)
         self._fd: int | None = None
-        try:
-            self.directory = distributed.decided_on_rank_0(env, lambda: self._claim(run_id), OSError)
-        except OSError as exc:
-            self.close()
-            raise RunError(f"cannot claim the export folder {self.directory}: {exc}") from None
 
-    def _claim(self, run_id: str) -> str:
-        """Rank 0's part: hold run.json, move another run's files aside; return the folder this run exports to."""
-        own = run_path(self.directory, run_id, folder=True)
-        os.makedirs(self.directory, exist_ok=True)
-        wait = OWN_FILE_WAIT_S if _owner(self.directory, None) == run_id else 0  # this run's previous attempt, exiting
-        fd = hold(os.path.join(self.directory, OWNER_FILE), wait)
-        if fd is None:
-            holder = _owner(self.directory, None) or "of unknown id"
-            log.warning(
-                "%s is in use by another running job (run %s): this run exports to %s", self.directory, holder, own
-            )
-            self.directory = own
-            os.makedirs(own, exist_ok=True)
-            fd = hold(os.path.join(own, OWNER_FILE), wait=OWN_FILE_WAIT_S)
-            if fd is None:
-                raise OSError(f"another process holds {os.path.join(own, OWNER_FILE)}")
-        self._fd = fd
-        owner = _owner(self.directory, fd)
-        if owner != run_id:
-            present = [name for name in EXPORT_FILES if os.path.lexists(os.path.join(self.directory, name))]
-            if present:
-                aside = aside_path(self.directory, owner, folder=True)
-                _move(self.directory, aside, present, owner)
-                log.info(
-                    "%s held the files of run %s (%s): moved them aside to %s",
-                    self.directory,
-                    owner or "of unknown id",
-                    ", ".join(present),
-                    aside,
-                )
-            if self.directory != own and os.path.isdir(own):  # this run's files, set aside by another run
-                back = [name for name in EXPORT_FILES if os.path.lexists(os.path.join(own, name))]
-                _move(own, self.directory, back, None)
-                Path(own, OWNER_FILE).unlink(missing_ok=True)
-                if not os.listdir(own):
-                    os.rmdir(own)
-                if back:
-                    log.info("this run's exported files are back in %s from %s", self.directory, own)
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"run_id": run_id}).encode())
-        return self.directory
+        def claim() -> str:
+            try:
+                held = _ExportClaim(self.directory, run_id)
+            except OSError as exc:
+                raise RunError(f"cannot claim the export folder {self.directory}: {exc}") from None
+            self._fd = held.fd
+            return held.path
+
+        self.directory = distributed.decided_on_rank_0(env, claim, RunError)
 
     def export(self, parallel: DistributedModel, name: str) -> None:
         """The model's weights as <name> in this folder (report.export), uploaded too when the folder is a store's."""
@@ -247,28 +307,3 @@ class ExportFolder:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-def _owner(directory: str, fd: int | None) -> str | None:
-    """The run id the export folder's files belong to: its run.json, else its summary.json; None if neither says."""
-    try:
-        text = read_held(fd) if fd is not None else Path(directory, OWNER_FILE).read_bytes()
-        found = json.loads(text).get("run_id")
-    except (OSError, ValueError, AttributeError, RecursionError):
-        found = None
-    if found is None:
-        try:
-            found = json.loads(Path(directory, "summary.json").read_bytes()).get("run_id")
-        except (OSError, ValueError, AttributeError, RecursionError):
-            return None
-    return found if isinstance(found, str) and RUN_ID.match(found) else None
-
-
-def _move(source: str, target: str, names: list[str], owner: str | None) -> None:
-    """Move the files `names` from folder `source` to folder `target` (created), with run.json naming `owner`."""
-    os.makedirs(target, exist_ok=True)
-    for name in names:
-        os.replace(os.path.join(source, name), os.path.join(target, name))
-    if owner is not None:
-        with open(os.path.join(target, OWNER_FILE), "w", encoding="utf-8") as handle:
-            json.dump({"run_id": owner}, handle)

@@ -100,18 +100,15 @@ class WandbTracker(Tracker):
 
 class MetricsFile(Tracker):
     """JSON Lines on rank 0 (`--metrics-file`): one record per logged step, with this run's id, each line flushed as
-    it is written. The file holds one run's records (docs/fault-tolerance.md): another run's are moved aside to
-    `metrics.<its run id>.jsonl`, this run's own taken back from there; beside a file another live job holds, this
-    run writes `metrics.<run id>.jsonl`. The records of steps after `resumed_from` are dropped first, so steps
-    trained again replace the failed attempt's (-1: a new run; None: a job that took its partners' state drops
-    those from the first step it logs). Metrics logged for the step of the last line (validation after training
-    metrics) are merged into it."""
+    it is written. The file holds one run's records (outputs.Claim): another run's move aside to
+    `metrics.<its run id>.jsonl`. The records of steps after `resumed_from` are dropped first, so steps trained again
+    replace the failed attempt's (-1: a new run; None: a job that took its partners' state drops those from the
+    first step it logs). Metrics logged for the step of the last line (validation after training) merge into it."""
 
     def __init__(self, path: str, run_id: str, resumed_from: int | None):
         self.run_id = run_id
-        self.metrics_file = os.path.abspath(path)
-        os.makedirs(os.path.dirname(self.metrics_file), exist_ok=True)
-        fd = self._claim()
+        claim = _MetricsClaim(path, run_id)
+        self.metrics_file, fd = claim.path, claim.fd
         content = outputs.read_held(fd)
         records, skipped = records_in(content)
         if skipped:
@@ -139,35 +136,6 @@ class MetricsFile(Tracker):
         self._file.seek(0, os.SEEK_END)
         self._last_offset = self._file.tell()
 
-    def _claim(self) -> int:
-        """Hold the metrics file for this run: a descriptor of a file that holds this run's records only."""
-        path, run_id = self.metrics_file, self.run_id
-        own = outputs.run_path(path, run_id)
-        fd = outputs.hold(path)
-        if fd is None and set(_run_ids(_read(path))) == {run_id}:  # this run's previous attempt, still exiting
-            fd = outputs.hold(path, wait=outputs.OWN_FILE_WAIT_S)
-        if fd is not None:
-            foreign = [found for found in _run_ids(outputs.read_held(fd)) if found != run_id]
-            if foreign:
-                owner = foreign[-1] if isinstance(foreign[-1], str) and RUN_ID.match(foreign[-1]) else None
-                aside = outputs.aside_path(path, owner)
-                os.rename(path, aside)  # held by this process: nobody appends to it
-                os.close(fd)
-                log.info("%s held the records of run %s: moved them aside to %s", path, owner or "of unknown id", aside)
-                fd = outputs.hold(path)  # a new file (None: another job took the name meanwhile)
-        if fd is None:
-            log.warning("%s is being written by another running job: this run writes its metrics to %s", path, own)
-            self.metrics_file = own
-            fd = outputs.hold(own, wait=outputs.OWN_FILE_WAIT_S)
-            if fd is None:
-                raise RunError(f"another process holds {own}, this run's metrics file: is this run running twice?")
-            return fd
-        if os.path.exists(own) and not records_in(outputs.read_held(fd))[0]:  # this run's records, set aside
-            fd = outputs.replace_held(fd, path, _read(own))
-            os.remove(own)
-            log.info("this run's metrics records are back in %s from %s", path, own)
-        return fd
-
     def log(self, metrics: dict, step: int) -> None:
         if self._file is None:  # the first step logged: the records of this step and later ones are a failed attempt's
             self._keep(step - 1)
@@ -186,6 +154,29 @@ class MetricsFile(Tracker):
             os.close(self._held[0])
         else:
             self._file.close()
+
+
+class _MetricsClaim(outputs.Claim):
+    what = "metrics records"
+
+    def owner(self, fd: int | None) -> str | None:
+        """The run of the last record of another run than this one; this run if every record is its own."""
+        found = [record.get("run_id") for record, _ in records_in(_read(self.path, fd))[0]]
+        foreign = [run for run in found if run != self.run_id] or found[-1:]
+        return foreign[-1] if foreign and isinstance(foreign[-1], str) and RUN_ID.match(foreign[-1]) else None
+
+    def set_aside(self, fd: int, aside: str, owner: str | None) -> bool:
+        content = _read(self.path, fd)
+        if not records_in(content)[0]:
+            return False
+        outputs.write_synced(aside, content)
+        os.ftruncate(fd, 0)  # held by this process: nobody appends to it
+        return True
+
+    def take_back(self, fd: int, own: str) -> int:
+        fd = outputs.replace_held(fd, self.path, _read(own))
+        os.remove(own)
+        return fd
 
 
 class Trackers(Tracker):
@@ -262,16 +253,15 @@ class MetricsLog:
         self.timer += seconds
 
 
-def _read(path: str) -> bytes:
+def _read(path: str, fd: int | None = None) -> bytes:
+    """The bytes of the file at `path` (through `fd` if it holds it); none if there is no file."""
+    if fd is not None:
+        return outputs.read_held(fd)
     try:
         with open(path, "rb") as handle:
             return handle.read()
     except FileNotFoundError:
         return b""
-
-
-def _run_ids(content: bytes) -> list:
-    return [record.get("run_id") for record, _ in records_in(content)[0]]
 
 
 def _plain(value):
