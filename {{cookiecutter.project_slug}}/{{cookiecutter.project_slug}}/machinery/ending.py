@@ -59,7 +59,7 @@ def finish(trainer: Ending, stop: StopRequest) -> Summary:
     if not stopped:
         trainer.exports.export(trainer.parallel, "model.pt")  # final weights only from a run that finished
     if trainer.env.is_main:
-        write_summary(summary, trainer.exports.directory)  # a stopped run's too, with its stop_signal
+        write_summary(summary, trainer.exports.path)  # a stopped run's too, with its stop_signal
         trainer.exports.publish()
     if summary.already_complete:
         log.info(
@@ -106,7 +106,7 @@ def run_summary(trainer: Ending, already_complete: bool, stop_signal: int) -> Su
         best_step=progress.best_step,
         snapshot_dir=trainer.snapshots.store.url if trainer.snapshots.store else trainer.snapshots.directory,
         newest_snapshot=step_name(progress.step),
-        export_dir=trainer.exports.store.url if trainer.exports.store else trainer.exports.directory,
+        export_dir=trainer.exports.store.url if trainer.exports.store else trainer.exports.path,
         log_file=logs.rank_file(cfg.log_file, 0),
         metrics_file=trainer.metrics_file,
         already_complete=already_complete,

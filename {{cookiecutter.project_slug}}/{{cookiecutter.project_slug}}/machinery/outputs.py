@@ -89,7 +89,7 @@ def path_problem(name: str, value: str, kind: str, optional: bool) -> str | None
     return None
 
 
-# -- holding a file ------------------------------------------------------------------------------------------------
+# -- holding a path for one run ------------------------------------------------------------------------------------
 
 
 def hold(path: str, wait: float = 0.0) -> int | None:
@@ -167,16 +167,12 @@ def aside_path(path: str, owner: str | None, folder: bool = False) -> str:
     return candidate
 
 
-# -- claiming a path for one run ----------------------------------------------------------------------------------
-
-
 class Claim:
-    """A path one run writes (`path`, held by `fd`), claimed for run `run_id`, a file or a folder alike:
-    1. hold it (a folder: its run.json), waiting OWN_FILE_WAIT_S only for this run's previous attempt (still exiting);
+    """A path one run writes (`path`), claimed for run `run_id` by `claim`, a file or a folder (through its run.json):
+    1. hold it, waiting OWN_FILE_WAIT_S only when its owner is this run's previous attempt (a process still exiting);
     2. while another live job holds it: warn, and claim this run's own name (run_path) instead;
     3. move another run's records there aside, to a name with that run's id (aside_path);
-    4. take back this run's own, set aside earlier at run_path;
-    5. mark it as this run's.
+    4. take back this run's own, set aside earlier at run_path; 5. mark it as this run's.
     A subclass says whose records the path holds and how they move:"""
 
     owner: Callable[[int | None], str | None]  # their run id (read through the held fd, else unheld); None: unknown
@@ -185,47 +181,75 @@ class Claim:
     folder = False
     what = "records"  # what the path holds, in messages
 
-    def __init__(self, path: str, run_id: str):
+    def claim(self, path: str, run_id: str) -> int:
+        """Claim `path` for run `run_id`: return the descriptor that holds it; `self.path` is where this run writes."""
         self.path, self.run_id, what = os.path.abspath(path), run_id, self.what
-        own = run_path(self.path, run_id, self.folder)
-        fd = self._hold(self.path, 0)
-        if fd is None and self.owner(None) == run_id:
-            fd = self._hold(self.path, OWN_FILE_WAIT_S)
+        path, own = self.path, run_path(self.path, run_id, self.folder)
+        fd = self._hold(path, OWN_FILE_WAIT_S if self.owner(None) == run_id else 0)
         if fd is None:
             holder = self.owner(None) or "of unknown id"
-            log.warning(
-                "%s is held by another live job (run %s): this run writes its %s to %s", self.path, holder, what, own
-            )
-            self.path, fd = own, self._hold(own, OWN_FILE_WAIT_S)
+            log.warning("%s is held by another job (run %s): this run writes its %s to %s", path, holder, what, own)
+            self.path = path = own
+            fd = self._hold(own, OWN_FILE_WAIT_S)
             if fd is None:
                 raise RunError(f"another process holds {own}, this run's {what}: is this run running twice?")
         try:
             owner = self.owner(fd)
-            if owner != run_id and self.set_aside(fd, aside := aside_path(self.path, owner, self.folder), owner):
-                log.info(
-                    "%s held the %s of run %s: moved them aside to %s", self.path, what, owner or "of unknown id", aside
-                )
-            if owner != run_id and self.path != own and (os.path.isdir if self.folder else os.path.isfile)(own):
+            if owner != run_id and self.set_aside(fd, aside := aside_path(path, owner, self.folder), owner):
+                log.info("the %s of run %s in %s moved aside to %s", what, owner or "of unknown id", path, aside)
+            if owner != run_id and path != own and (os.path.isdir if self.folder else os.path.isfile)(own):
                 fd = self.take_back(fd, own)
-                log.info("this run's %s are back in %s from %s", what, self.path, own)
+                log.info("this run's %s are back in %s from %s", what, path, own)
             if self.folder:
                 os.ftruncate(fd, 0)
                 os.write(fd, json.dumps({"run_id": run_id}).encode())
         except BaseException:
             os.close(fd)
             raise
-        self.fd = fd
+        return fd
 
     def _hold(self, path: str, wait: float) -> int | None:
         os.makedirs(path if self.folder else os.path.dirname(path), exist_ok=True)
         return hold(os.path.join(path, OWNER_FILE) if self.folder else path, wait)
 
 
-# -- the export folder -----------------------------------------------------------------------------------------------
+def _move(source: str, target: str, owner: str | None) -> bool:
+    """Move what a run exported from folder `source` to folder `target`, with run.json naming `owner`; False if
+    `source` held none of it."""
+    names = [name for name in EXPORT_FILES if os.path.lexists(os.path.join(source, name))]
+    if names:
+        os.makedirs(target, exist_ok=True)
+        for name in names:
+            os.replace(os.path.join(source, name), os.path.join(target, name))
+        if owner is not None:
+            with open(os.path.join(target, OWNER_FILE), "w", encoding="utf-8") as handle:
+                json.dump({"run_id": owner}, handle)
+    return bool(names)
 
 
-class _ExportClaim(Claim):
+class ExportFolder(Claim):
+    """Rank 0's claim on the export folder for one run (the other ranks only learn where it is: `path`)."""
+
     folder, what = True, "exported files"
+
+    def __init__(self, env: DistEnv, directory: str, run_id: str):
+        self.env, self.store = env, None
+        if URL.match(directory):  # exported locally, then uploaded by publish()
+            from .snapshot.store import Store
+
+            self.store = Store(directory, env.rank)
+            directory = f"{self.store.local}-export"
+        self.path = os.path.abspath(directory)
+        self._fd: int | None = None
+
+        def claim() -> str:
+            try:
+                self._fd = self.claim(self.path, run_id)
+            except OSError as exc:
+                raise RunError(f"cannot claim the export folder {self.path}: {exc}") from None
+            return self.path
+
+        self.path = distributed.decided_on_rank_0(env, claim, RunError)
 
     def owner(self, fd: int | None) -> str | None:
         """Whom run.json names, else summary.json."""
@@ -249,54 +273,16 @@ class _ExportClaim(Claim):
             os.rmdir(own)
         return fd
 
-
-def _move(source: str, target: str, owner: str | None) -> bool:
-    """Move what a run exported from folder `source` to folder `target`, with run.json naming `owner`; False if
-    `source` held none of it."""
-    names = [name for name in EXPORT_FILES if os.path.lexists(os.path.join(source, name))]
-    if names:
-        os.makedirs(target, exist_ok=True)
-        for name in names:
-            os.replace(os.path.join(source, name), os.path.join(target, name))
-        if owner is not None:
-            with open(os.path.join(target, OWNER_FILE), "w", encoding="utf-8") as handle:
-                json.dump({"run_id": owner}, handle)
-    return bool(names)
-
-
-class ExportFolder:
-    """Rank 0's claim on the export folder for one run (the other ranks only learn where it is)."""
-
-    def __init__(self, env: DistEnv, directory: str, run_id: str):
-        self.env, self.store = env, None
-        if URL.match(directory):  # exported locally, then uploaded by publish()
-            from .snapshot.store import Store
-
-            self.store = Store(directory, env.rank)
-            directory = f"{self.store.local}-export"
-        self.directory = os.path.abspath(directory)
-        self._fd: int | None = None
-
-        def claim() -> str:
-            try:
-                held = _ExportClaim(self.directory, run_id)
-            except OSError as exc:
-                raise RunError(f"cannot claim the export folder {self.directory}: {exc}") from None
-            self._fd = held.fd
-            return held.path
-
-        self.directory = distributed.decided_on_rank_0(env, claim, RunError)
-
     def export(self, parallel: DistributedModel, name: str) -> None:
         """The model's weights as <name> in this folder (report.export), uploaded too when the folder is a store's."""
-        report.export(parallel.model, parallel.sharded, self.env, self.directory, name)
+        report.export(parallel.model, parallel.sharded, self.env, self.path, name)
         self.publish()
 
     def publish(self) -> None:
         """Rank 0, on a store: upload what the export folder holds (each file checked by reading it back)."""
         if self.store is None or self._fd is None:
             return
-        root = Path(self.directory)
+        root = Path(self.path)
         for name in EXPORT_FILES:
             for local in [root / name, *(root / name).rglob("*")]:  # a file, or a folder's files (hf/)
                 if local.is_file():

@@ -9,6 +9,7 @@ import math
 import os
 import secrets
 import time
+from pathlib import Path
 from typing import Any, Literal, cast
 
 from . import distributed, outputs
@@ -98,17 +99,18 @@ class WandbTracker(Tracker):
         self.run.finish()
 
 
-class MetricsFile(Tracker):
+class MetricsFile(Tracker, outputs.Claim):
     """JSON Lines on rank 0 (`--metrics-file`): one record per logged step, with this run's id, each line flushed as
     it is written. The file holds one run's records (outputs.Claim): another run's move aside to
     `metrics.<its run id>.jsonl`. The records of steps after `resumed_from` are dropped first, so steps trained again
     replace the failed attempt's (-1: a new run; None: a job that took its partners' state drops those from the
     first step it logs). Metrics logged for the step of the last line (validation after training) merge into it."""
 
+    what = "metrics records"
+
     def __init__(self, path: str, run_id: str, resumed_from: int | None):
-        self.run_id = run_id
-        claim = _MetricsClaim(path, run_id)
-        self.metrics_file, fd = claim.path, claim.fd
+        fd = self.claim(path, run_id)
+        self.metrics_file = self.path
         content = outputs.read_held(fd)
         records, skipped = records_in(content)
         if skipped:
@@ -155,26 +157,22 @@ class MetricsFile(Tracker):
         else:
             self._file.close()
 
-
-class _MetricsClaim(outputs.Claim):
-    what = "metrics records"
-
     def owner(self, fd: int | None) -> str | None:
         """The run of the last record of another run than this one; this run if every record is its own."""
-        found = [record.get("run_id") for record, _ in records_in(_read(self.path, fd))[0]]
+        unheld = fd is None and os.path.isfile(self.path)
+        content = Path(self.path).read_bytes() if unheld else outputs.read_held(fd) if fd is not None else b""
+        found = [record.get("run_id") for record, _ in records_in(content)[0]]
         foreign = [run for run in found if run != self.run_id] or found[-1:]
         return foreign[-1] if foreign and isinstance(foreign[-1], str) and RUN_ID.match(foreign[-1]) else None
 
     def set_aside(self, fd: int, aside: str, owner: str | None) -> bool:
-        content = _read(self.path, fd)
-        if not records_in(content)[0]:
-            return False
-        outputs.write_synced(aside, content)
-        os.ftruncate(fd, 0)  # held by this process: nobody appends to it
-        return True
+        if found := bool(records_in(content := outputs.read_held(fd))[0]):
+            outputs.write_synced(aside, content)
+            os.ftruncate(fd, 0)  # held by this process: nobody appends to it
+        return found
 
     def take_back(self, fd: int, own: str) -> int:
-        fd = outputs.replace_held(fd, self.path, _read(own))
+        fd = outputs.replace_held(fd, self.path, Path(own).read_bytes())
         os.remove(own)
         return fd
 
@@ -251,17 +249,6 @@ class MetricsLog:
         log: samples/s counts training time only."""
         self.tracker.log(results, self.progress.step)
         self.timer += seconds
-
-
-def _read(path: str, fd: int | None = None) -> bytes:
-    """The bytes of the file at `path` (through `fd` if it holds it); none if there is no file."""
-    if fd is not None:
-        return outputs.read_held(fd)
-    try:
-        with open(path, "rb") as handle:
-            return handle.read()
-    except FileNotFoundError:
-        return b""
 
 
 def _plain(value):
