@@ -184,22 +184,29 @@ class Claim:
     def claim(self, path: str, run_id: str) -> int:
         """Claim `path` for run `run_id`: return the descriptor that holds it; `self.path` is where this run writes."""
         self.path, self.run_id, what = os.path.abspath(path), run_id, self.what
-        path, own = self.path, run_path(self.path, run_id, self.folder)
-        fd = self._hold(path, OWN_FILE_WAIT_S if self.owner(None) == run_id else 0)
+        own = run_path(self.path, run_id, self.folder)
+        fd = self._hold(self.path, OWN_FILE_WAIT_S if self.owner(None) == run_id else 0)
         if fd is None:
             holder = self.owner(None) or "of unknown id"
-            log.warning("%s is held by another job (run %s): this run writes its %s to %s", path, holder, what, own)
-            self.path = path = own
+            log.warning(
+                "%s is held by another job (run %s): this run writes its %s to %s", self.path, holder, what, own
+            )
+            self.path = own
             fd = self._hold(own, OWN_FILE_WAIT_S)
             if fd is None:
                 raise RunError(f"another process holds {own}, this run's {what}: is this run running twice?")
         try:
             owner = self.owner(fd)
-            if owner != run_id and self.set_aside(fd, aside := aside_path(path, owner, self.folder), owner):
-                log.info("the %s of run %s in %s moved aside to %s", what, owner or "of unknown id", path, aside)
-            if owner != run_id and path != own and (os.path.isdir if self.folder else os.path.isfile)(own):
-                fd = self.take_back(fd, own)
-                log.info("this run's %s are back in %s from %s", what, path, own)
+            if owner != run_id:
+                aside = aside_path(self.path, owner, self.folder)
+                if self.set_aside(fd, aside, owner):
+                    log.info(
+                        "the %s of run %s in %s moved aside to %s", what, owner or "of unknown id", self.path, aside
+                    )
+                set_aside_earlier = os.path.isdir(own) if self.folder else os.path.isfile(own)
+                if self.path != own and set_aside_earlier:
+                    fd = self.take_back(fd, own)
+                    log.info("this run's %s are back in %s from %s", what, self.path, own)
             if self.folder:
                 os.ftruncate(fd, 0)
                 os.write(fd, json.dumps({"run_id": run_id}).encode())

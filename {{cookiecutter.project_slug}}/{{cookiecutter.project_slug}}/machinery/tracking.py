@@ -159,17 +159,26 @@ class MetricsFile(Tracker, outputs.Claim):
 
     def owner(self, fd: int | None) -> str | None:
         """The run of the last record of another run than this one; this run if every record is its own."""
-        unheld = fd is None and os.path.isfile(self.path)
-        content = Path(self.path).read_bytes() if unheld else outputs.read_held(fd) if fd is not None else b""
+        if fd is not None:
+            content = outputs.read_held(fd)
+        elif os.path.isfile(self.path):
+            content = Path(self.path).read_bytes()
+        else:
+            content = b""
         found = [record.get("run_id") for record, _ in records_in(content)[0]]
         foreign = [run for run in found if run != self.run_id] or found[-1:]
-        return foreign[-1] if foreign and isinstance(foreign[-1], str) and RUN_ID.match(foreign[-1]) else None
+        if not foreign:
+            return None
+        run = foreign[-1]
+        return run if isinstance(run, str) and RUN_ID.match(run) else None
 
     def set_aside(self, fd: int, aside: str, owner: str | None) -> bool:
-        if found := bool(records_in(content := outputs.read_held(fd))[0]):
-            outputs.write_synced(aside, content)
-            os.ftruncate(fd, 0)  # held by this process: nobody appends to it
-        return found
+        content = outputs.read_held(fd)
+        if not records_in(content)[0]:
+            return False
+        outputs.write_synced(aside, content)
+        os.ftruncate(fd, 0)  # held by this process: nobody appends to it
+        return True
 
     def take_back(self, fd: int, own: str) -> int:
         fd = outputs.replace_held(fd, self.path, Path(own).read_bytes())
