@@ -38,18 +38,21 @@ def run_and_exit(main: Callable[[], object]) -> None:
     if debugged():
         main()
         return
-    code = 1
+    # On an exception, finish() runs inside the handler: the exception, and every frame it passed through, lives
+    # until the process ends. Leaving the handler would free them: DDP's reducer would destroy the process group
+    # while a gloo thread may still be releasing a finished collective's tensors, which takes the GIL this thread
+    # holds. The two would wait for each other until torchrun's SIGKILL, 30 s after its SIGTERM.
     try:
         main()
-        code = 0
     except SystemExit as exc:
-        code = exit_code(exc)
+        finish(exit_code(exc))
     except KeyboardInterrupt:
         sys.excepthook(*sys.exc_info())
-        code = -signal.SIGINT
+        finish(-signal.SIGINT)
     except BaseException:
         sys.excepthook(*sys.exc_info())
-    finish(code)
+        finish(1)
+    finish(0)
 
 
 def exit_code(exc: SystemExit) -> int:
