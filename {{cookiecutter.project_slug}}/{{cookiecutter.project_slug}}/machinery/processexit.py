@@ -41,7 +41,8 @@ def run_and_exit(main: Callable[[], object]) -> None:
     # On an exception, finish() runs inside the handler: the exception, and every frame it passed through, lives
     # until the process ends. Leaving the handler would free them: DDP's reducer would destroy the process group
     # while a gloo thread may still be releasing a finished collective's tensors, which takes the GIL this thread
-    # holds. The two would wait for each other until torchrun's SIGKILL, 30 s after its SIGTERM.
+    # holds. The two would wait for each other until torchrun's SIGKILL, 30 s after its SIGTERM (a destructor that
+    # blocks with the GIL held: pytorch/pytorch#56297).
     try:
         main()
     except SystemExit as exc:
