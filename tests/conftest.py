@@ -13,6 +13,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# The baked projects' tests start hundreds of Python processes, each of which would compile the project's modules
+# from source again where PYTHONDONTWRITEBYTECODE is set (some CI images set it): their processes may cache bytecode
+# (in the bakes' temporary folders; this process keeps the setting, so the template's own tree stays without it).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 # The longest first (minutes each): the Hugging Face recipes and the replica groups' bake (on one worker), the
 # whole-suite groups (two by two on the others), ...
