@@ -485,4 +485,4 @@ def test_the_hugging_face_recipes_resume_bitwise_under_ddp_and_fsdp(tmp_path):
     # (the runs start in forks of tests/conftest.py's pool, which has transformers, datasets and peft imported)
     result = run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_hf_recipes.py", timeout=900)
     summary = result.stdout.strip().splitlines()[-1]
-    assert re.search(r"8 passed", summary) and not re.search(r"failed|error|skipped", summary), summary
+    assert re.search(r"7 passed", summary) and not re.search(r"failed|error|skipped", summary), summary
