@@ -329,6 +329,8 @@ def test_backend_choice_is_the_default_and_can_be_overridden(tmp_path, backend):
     project = bake(tmp_path, backend=backend)
     assert_clean_bake(project)
     assert f"(default: {backend})" in " ".join(run_in(project, "train.py", "--help").stdout.split())
+    if backend == "auto":
+        return  # the default answer: the other bakes' runs train with it
     args = ["train.py", "--max-steps", "2", "--dataset-size", "512", "--wandb", "disabled"]
     result = run_in(project, *args, check=False)
     if (
