@@ -24,6 +24,8 @@ The fault is chosen by environment variables:
                               its own batch in every training forward (a user's running statistic; DDP gives every
                               rank rank 0's at the next forward), and a buffer no forward changes, `input_scale`
     COUNT_ALLREDUCE=1         print "gradient all-reduces: N" on rank 0 at exit
+    SLOW_STEP=<seconds>       every optimizer step starts this much later (a job that trains on while a test waits
+                              for something else, without taking a core for it)
     SLOW_COPY=<seconds>       every snapshot's copy off the training thread starts this much later
     SLOW_WRITE=<seconds>      every snapshot's files are written this much later (after the copy)
     RECORD_STARTS=<folder>    each rank writes start-rank{R}-attempt{A} there: "warm" when torch was imported
@@ -228,6 +230,9 @@ def delayed(function, seconds):
 
     return late
 
+
+if os.environ.get("SLOW_STEP"):
+    trainer.Trainer.optimizer_step = delayed(trainer.Trainer.optimizer_step, float(os.environ["SLOW_STEP"]))
 
 if os.environ.get("SLOW_COPY"):
     writer.copy_to_cpu = delayed(writer.copy_to_cpu, float(os.environ["SLOW_COPY"]))
