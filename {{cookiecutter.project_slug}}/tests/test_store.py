@@ -37,7 +37,8 @@ import train
 from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
 from {{ cookiecutter.project_slug }}.machinery.snapshot import SHARED, SnapshotError, Snapshots, load_latest, step_name
 
-ARGS = QUICK + ["--max-steps", "120", "--snapshot-every", "20"]
+STEPS = 80
+ARGS = QUICK + ["--max-steps", str(STEPS), "--snapshot-every", "20"]
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 needs_s3 = pytest.mark.skipif(
     not all(importlib.util.find_spec(name) for name in ("s3fs", "moto", "boto3")),
@@ -170,13 +171,13 @@ def test_a_sigkilled_job_resumes_from_the_store_bitwise_equal(tmp_path, bucket, 
         code, out = finish(agent)
         assert code == 0, f"{folder.name} exited {code}:\n{out[-5000:]}"
     done = json.loads(store().cat_file(f"{bucket}/export/summary.json"))
-    assert done["resumed_from"] >= 20 and (done["world_size"], done["steps"]) == (2, 120), done
-    newest = json.loads(store().cat_file(f"{bucket}/run/{step_name(120)}/manifest.json"))
+    assert done["resumed_from"] >= 20 and (done["world_size"], done["steps"]) == (2, STEPS), done
+    newest = json.loads(store().cat_file(f"{bucket}/run/{step_name(STEPS)}/manifest.json"))
     assert done["snapshot_bytes"] == sum(entry["size"] for entry in newest["files"].values()) > 0
     # rank 0's metrics file, on whichever machine: one run's records, every logged step once (a restart that
     # found no run id on the store, e.g. before its first commit, started another run and set them aside)
     records = [record for folder, _ in machines for record in metrics(folder)]
-    assert [record["step"] for record in records] == list(range(5, 121, 5))
+    assert [record["step"] for record in records] == list(range(5, STEPS + 1, 5))
     assert {record["run_id"] for record in records} == {done["run_id"]}
     assert_same_weights(reference["model"], load_latest(url)["model"])
     exported = torch.load(io.BytesIO(store().cat_file(f"{bucket}/export/model.pt")), weights_only=True)
@@ -184,7 +185,7 @@ def test_a_sigkilled_job_resumes_from_the_store_bitwise_equal(tmp_path, bucket, 
     names = {name.split("/", 2)[2] for name in store().find(f"{bucket}/run")}
     # Two kept, the last step's newest (a snapshot step whose upload would queue behind another's is skipped)
     kept = sorted({name.split("/")[0] for name in names if name.startswith("step-")})
-    assert len(kept) == 2 and kept[-1] == step_name(120), kept
+    assert len(kept) == 2 and kept[-1] == step_name(STEPS), kept
     assert {"run.json", "config.toml"} <= names
 
 
