@@ -265,12 +265,14 @@ def test_a_validation_count_of_zero_is_one_line_and_an_unused_val_metrics_is_nam
 
 
 def test_torchruns_root_cause_after_a_warm_restart_is_the_rank_that_failed(tmp_path):
-    """Rank 1 fails at its 3rd step in every attempt; the restart runs in a fork of the job's zygote. The rank that
-    only lost its peer exits first there, and torchrun breaks a tie of whole-second timestamps by exit order."""
-    env = child_env(FAULT="raise_at_step", FAULT_RANK=1, FAULT_STEP=3, RECORD_STARTS=tmp_path / "starts")
+    """Rank 1 fails at its 3rd step in every attempt; the restart runs in a fork of the job's zygote (the first
+    attempt starts cold, as a user's does). The rank that only lost its peer exits first there, and torchrun breaks
+    a tie of whole-second timestamps by exit order."""
+    starts = tmp_path / "starts"
+    env = child_env(FAULT="raise_at_step", FAULT_RANK=1, FAULT_STEP=3, RECORD_STARTS=starts, WARM_START_POOL="")
     cmd = train_cmd(2, ["--max-restarts=1"], script="tests/fault_injection.py") + SHORT + outputs(tmp_path)
     out = run(cmd, env=env, check=False).stdout
-    assert (tmp_path / "starts" / "start-rank1-attempt1").read_text() == "warm", out[-4000:]
+    assert (starts / "start-rank1-attempt1").read_text() == "warm", out[-4000:]
     root_cause = out.split("Root Cause")[1]
     assert re.search(r"rank\s*: 1 ", root_cause) and "injected failure on rank 1" in root_cause, root_cause
     stopped = out.split("Root Cause")[0].split("Failures:")[1]

@@ -140,9 +140,13 @@ def handoff() -> None:
         replies = conn.makefile("rb")
         if "pid" not in json.loads(replies.readline() or b"{}"):
             raise ValueError("refused")
-    except (OSError, ValueError):
+    except ConnectionRefusedError:
         conn.close()
-        return  # no zygote, a refusal, or a zygote going away: a cold start
+        return  # no zygote listens: a cold start
+    except (OSError, ValueError) as problem:  # a refusal, or a zygote going away: a cold start, said
+        conn.close()
+        print(f"warm start: the zygote did not take this process ({problem!r}); it starts cold", file=sys.stderr)
+        return
     conn.settimeout(None)
     parentdeath.set_parent_death_signal()  # the agent gone: this stand-in dies, and the zygote kills the child
 
