@@ -15,7 +15,9 @@ SCRIPT = ROOT / "scripts" / "gpu-check.sh"
 
 def check(*args, timeout=240, **env):
     """Run the script as a user would, with this environment's python for both halves."""
-    variables = {k: v for k, v in os.environ.items() if not k.startswith(("DEBUG_", "WANDB_", "PYTEST_"))}
+    # Not the test pool (WARM_START_POOL): the script's runs use the prepared venv's interpreter, which it refuses.
+    dropped = ("DEBUG_", "WANDB_", "PYTEST_", "WARM_")
+    variables = {k: v for k, v in os.environ.items() if not k.startswith(dropped)}
     variables.update({"PYTHON": sys.executable, **env})
     return subprocess.run(
         [str(SCRIPT), *map(str, args)], cwd=ROOT, env=variables, capture_output=True, text=True, timeout=timeout
