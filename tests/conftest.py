@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # The baked projects' tests start hundreds of Python processes, each of which would compile the project's modules
 # from source again where PYTHONDONTWRITEBYTECODE is set (some CI images set it): their processes may cache bytecode
-# (in the bakes' temporary folders; this process keeps the setting, so the template's own tree stays without it).
+# (in the bakes' temporary folders, and cookiecutter's local_extensions.py here, which git ignores).
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 # The longest first (minutes each): the Hugging Face recipes and the replica groups' bake (on one worker), the

@@ -481,7 +481,8 @@ def test_a_transformer_lm_on_a_stream_passes_the_seam_tests(tmp_path):
 def test_the_hugging_face_recipes_resume_bitwise_under_ddp_and_fsdp(tmp_path):
     """The recipes of the baked docs/recipes.md with the real libraries (a GPT-2 from a config with tied weights and
     dropout, a datasets.Dataset and a datasets stream split per rank, a pretrained GPT-2 fine-tuned from a folder
-    that save_pretrained wrote, LoRA adapters with peft on a frozen base), SIGKILLed and resumed under ddp and fsdp."""
+    that save_pretrained wrote, LoRA adapters with peft on a frozen base), SIGKILLed and resumed under ddp and fsdp (the
+    stream under ddp)."""
     project = bake(tmp_path)
     shutil.copy(HF_RECIPE_TESTS, project / "tests" / "test_hf_recipes.py")
     # (the runs start in forks of tests/conftest.py's pool, which has transformers, datasets and peft imported)

@@ -100,7 +100,7 @@ def group_jobs(port, args, restarts, folder):
             # Cold restarts: a restarted group stays away for seconds, long enough to see the live group train on
             # without it. A warm restart is back within 1-2 s, hardly longer than the lighthouse takes to drop it.
             WARM_RESTART=0,
-            # 20 steps a second at most: the live group leaves the cores to the restart the test waits for
+            # 20 steps a second at most, both groups: the live one leaves the cores to the restart the test waits for
             SLOW_STEP=0.05,
         )
         output = open(folder / f"group{group}-{restarts}.out", "w")

@@ -138,8 +138,9 @@ def handoff() -> None:
         message = _frame(request)
         conn.sendall(message[socket.send_fds(conn, [message], [0, 1, 2]) :])
         replies = conn.makefile("rb")
-        if "pid" not in json.loads(replies.readline() or b"{}"):
-            raise ValueError("refused")
+        reply = json.loads(replies.readline() or b"{}")
+        if "pid" not in reply:
+            raise ValueError(reply.get("refused") or "no reply")
     except ConnectionRefusedError:
         conn.close()
         return  # no zygote listens: a cold start
