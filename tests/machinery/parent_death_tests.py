@@ -105,6 +105,49 @@ def test_torchrun_workers_that_call_exit_with_parent_die_with_their_agent(tmp_pa
         kill_all(workers.values(), agent)
 
 
+def processes_in(folder):
+    """The live processes whose working directory is `folder`: a job started there, its zygote included (which
+    scrubs its command line and environment, not its directory)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{entry}/cwd") == str(folder) and alive(entry):
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def importing_torch(pid):
+    """Whether process `pid` has begun importing torch (its library is mapped)."""
+    try:
+        with open(f"/proc/{pid}/maps") as handle:
+            return "libtorch" in handle.read()
+    except OSError:
+        return False
+
+
+def test_workers_whose_agent_dies_while_they_start_leave_nothing_behind(tmp_path):
+    """torchrun SIGKILLed while its workers import torch, before local rank 0 starts the job's zygote (its copy for
+    warm restarts): the workers were handed to the reaper by then. Nothing of the job is left: no worker training
+    alone, no zygote waiting for an agent that will never exit."""
+    cmd = train_cmd(2, ["--max-restarts=1"]) + ["--max-steps", "1000000", "--wandb", "disabled"] + outputs(tmp_path)
+    agent = start(cmd, env=child_env(WARM_START_POOL=""), cwd=tmp_path)  # cold: seconds of imports to die in
+    workers = {}
+    try:
+        wait_for(lambda: len(worker_pids(agent.pid)) == 2, timeout=120, interval=0.02, what="both workers to start")
+        workers = worker_pids(agent.pid)
+        # train.py's first lines (no torch) are behind them: the agent's pid is known
+        wait_for(lambda: all(map(importing_torch, workers.values())), interval=0.01, what="the workers' torch import")
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait()
+        wait_for(lambda: not processes_in(tmp_path), timeout=30, what="every process of the job to end")
+    finally:
+        for pid in processes_in(tmp_path):
+            os.kill(pid, signal.SIGKILL)
+        kill_all(workers.values(), agent)
+
+
 def committed_steps(folder):
     return sorted(path.parent.name for path in folder.glob("step-*/" + MANIFEST))
 

@@ -7,6 +7,9 @@ import socket
 ENV_WORKER = "WARM_RESTART_WORKER_PID"  # in a warm child: the pid torchrun started for this rank (the stand-in)
 ENV_AGENT = "WARM_RESTART_AGENT_PID"  # in a warm child: torchrun's agent
 PID_MAX = 2**31 - 1  # the largest pid_t: a pid outside 1..PID_MAX names no process
+# This process's parent when this module was first imported (at the top of train.py, before torch): torchrun's
+# agent for a worker. os.getppid() names the reaper instead once the agent has died.
+_FIRST_PARENT = os.getppid()
 
 
 def torchrun_worker() -> bool:
@@ -25,8 +28,14 @@ def worker_pid() -> int:
 
 
 def agent_pid() -> int:
-    """The torchrun agent that started this rank's worker (the parent process, outside a warm child)."""
-    return int(os.environ.get(ENV_AGENT) or os.getppid())
+    """The torchrun agent that started this rank's worker (its first parent, outside a warm child)."""
+    return int(os.environ.get(ENV_AGENT) or _FIRST_PARENT)
+
+
+def first_parent() -> int:
+    """The process whose death should end this one: a warm child's zygote, else the parent this process started
+    with (which may be dead already: then os.getppid() differs)."""
+    return os.getppid() if warm_child() else _FIRST_PARENT
 
 
 def current_job() -> str:

@@ -8,6 +8,8 @@ import sys
 import threading
 import time
 
+from . import identity
+
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -58,7 +60,7 @@ def exit_with_parent() -> None:
     its main thread, so that is the agent's exit. Elsewhere a daemon thread checks the parent every second.
     """
     global _watching
-    parent = os.getppid()  # before prctl: a parent that dies in between is caught below
+    parent = identity.first_parent()  # one that died before this call (the worker was importing) is caught below
     if set_parent_death_signal():
         if os.getppid() != parent:
             _kill_self()

@@ -87,8 +87,10 @@ def serve_restarts() -> None:
     restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0").strip()
     if not restarts.isdigit() or int(restarts) == 0 or not _forkable():
         return  # no restarts to serve, or nothing to keep
+    agent = identity.agent_pid()
+    if os.getppid() != agent:
+        return  # the agent died while this worker started: no restart will come (exit_with_parent ends it)
     importlib.import_module("torch._dynamo")  # this worker imports it next anyway (distributed.init): 1-2 s of CPU
-    agent = os.getppid()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()  # nothing buffered may be written twice
     listener = _listen(_address(agent, os.environ["TORCHELASTIC_RUN_ID"]))
@@ -121,7 +123,7 @@ def handoff() -> None:
     module = spec.name if spec is not None else None  # python -m package.module
     if module is None and not (sys.argv and os.path.isfile(sys.argv[0])):
         return
-    agent = os.getppid()
+    agent = identity.agent_pid()
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.settimeout(30)  # a zygote that does not answer: start cold
     try:
@@ -149,7 +151,7 @@ def handoff() -> None:
         print(f"warm start: the zygote did not take this process ({problem!r}); it starts cold", file=sys.stderr)
         return
     conn.settimeout(None)
-    parentdeath.set_parent_death_signal()  # the agent gone: this stand-in dies, and the zygote kills the child
+    parentdeath.exit_with_parent()  # the agent gone: this stand-in dies, and the zygote kills the child
 
     def forward(signum: int, frame: Any) -> None:
         try:
