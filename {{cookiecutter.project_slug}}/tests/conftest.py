@@ -254,6 +254,20 @@ def finish(proc, timeout=300):
     return proc.returncode, out
 
 
+def processes_naming(text):
+    """The pids of the processes whose command line (as ps shows it) holds `text`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if not entry.isdigit():
+                continue
+            if str(text).encode() in open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" "):
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
 def worker_pids(agent_pid):
     """{global rank: pid} of the workers a torchrun agent runs now (`agent_pid`: the process the test started,
     which for tests/warm_torchrun.py is the agent's stand-in)."""

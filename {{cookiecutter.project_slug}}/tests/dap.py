@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 TIMEOUT = 60
 
@@ -235,6 +236,29 @@ class Session:
     def events(self, event):
         with self._changed:
             return [message.get("body", {}) for message in self._events if message["event"] == event]
+
+    def describe(self, frames=6):
+        """For a failure message: the events seen so far and, while connected, where each thread of the debuggee is
+        (paused first, as VSCode's pause button does; a thread blocked outside Python cannot pause and says so)."""
+        with self._changed:
+            events = [(m["event"], *map(m.get("body", {}).get, ("reason", "threadId"))) for m in self._events]
+        lines = [f"{self.name}: closed {self.closed}; events {events}"]
+        try:
+            threads = [] if self.closed else self.request("threads", timeout=10)["threads"]
+            if threads:
+                self.request("pause", timeout=10, threadId=threads[0]["id"])
+                time.sleep(1)
+            for thread in threads:
+                try:
+                    stack = self.request("stackTrace", timeout=10, threadId=thread["id"], levels=frames)["stackFrames"]
+                    files = [Path(frame.get("source", {}).get("path") or "?").name for frame in stack]
+                    where = " <- ".join(f"{f['name']} {file}:{f['line']}" for f, file in zip(stack, files, strict=True))
+                except DAPError as exc:
+                    where = str(exc)
+                lines.append(f"  thread {thread['id']} {thread['name']!r}: {where}")
+        except DAPError as exc:
+            lines.append(f"  {exc}")
+        return "\n".join(lines)
 
     # What VSCode does to start a session and to look at a stopped thread.
 

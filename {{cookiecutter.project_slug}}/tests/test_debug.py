@@ -31,6 +31,7 @@ from conftest import (
     free_port,
     logged_steps,
     outputs,
+    processes_naming,
     run,
     start,
     summary,
@@ -198,17 +199,43 @@ class Job:
                 )
             time.sleep(0.05)
 
-    def finish(self, timeout=120):
+    def finish(self, timeout=120, sessions=()):
+        """The job's exit code; past `timeout`, a failure that says which of its processes are left, and where the
+        debugged ones are (`sessions`)."""
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            debuggees = [event.get("systemProcessId") for s in sessions for event in s.events("process")]
+            left = "\n".join([*processes_left(str(self.log.parent), debuggees), *(s.describe() for s in sessions)])
             self.kill()
-            pytest.fail(f"still running after {timeout} s:\n{self.output()[-6000:]}")
+            pytest.fail(f"still running after {timeout} s:\n{self.output()[-6000:]}\n{left}")
 
     def kill(self):
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+def processes_left(text, pids=()):
+    """A line per process whose command line has `text` or whose pid is in `pids` (a warm start's child shows only
+    the start of its stand-in's command line), and per child of one: its pid, parent, state and the kernel function
+    it waits in."""
+
+    def read(path):
+        try:
+            return Path(path).read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            return ""
+
+    named = list(dict.fromkeys(processes_naming(text) + [int(pid) for pid in pids if pid]))
+    tasks = [task for pid in named for task in Path(f"/proc/{pid}/task").glob("*")]  # a child is its thread's
+    children = [int(child) for task in tasks for child in read(task / "children").split()]
+    lines = []
+    for pid in named + children:
+        state, parent = (read(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split() or ["gone", "?"])[:2]
+        wchan, cmdline = read(f"/proc/{pid}/wchan") or "-", read(f"/proc/{pid}/cmdline")[:200]
+        lines.append(f"pid {pid} (parent {parent}) {state} in {wchan}: {cmdline}")
+    return lines
 
 
 def attach(port, breakpoints, cleanup):
@@ -330,7 +357,7 @@ def test_attach_to_rank_2_of_3_outlives_the_collective_timeout(tmp_path, cleanup
     time.sleep(dist_timeout + 2)
     assert job.proc.poll() is None, job.output()[-6000:]
     resume(session, source)
-    assert job.finish() == 0, job.output()[-6000:]
+    assert job.finish(sessions=[session]) == 0, job.output()[-6000:]
     session.request("disconnect")
     output = job.output()
     assert [m.group(0) for m in WAITING.finditer(output)] == [announced.group(0)], "only rank 2 waits"
@@ -366,7 +393,7 @@ def test_debug_rank_all_stops_every_rank_and_a_rank_condition_stops_one(tmp_path
     assert frame["line"] == second
     assert sessions[1].evaluate("self.env.rank", frame["id"]) == "1"
     resume(sessions[1], source)
-    assert job.finish() == 0, job.output()[-6000:]
+    assert job.finish(sessions=sessions) == 0, job.output()[-6000:]
     for session in sessions:
         session.request("disconnect")
     assert len(sessions[0].events("stopped")) == 1, "rank 0 must not stop where the condition is false"
@@ -392,7 +419,7 @@ def test_break_at_step_stops_the_debugger_where_batch_model_and_step_are(tmp_pat
     nan_filled = "[torch.full_like(part, float('nan')) if part.is_floating_point() else part for part in batch]"
     session.evaluate(f"batch = {nan_filled}", frame["id"])
     session.request("continue", threadId=stopped["threadId"])
-    assert job.finish() == 2, job.output()[-6000:]
+    assert job.finish(sessions=[session]) == 2, job.output()[-6000:]
     session.request("disconnect")
     assert logged_steps(tmp_path) == [1, 2]
 
@@ -488,7 +515,7 @@ def test_debug_rank_task_then_attach(tmp_path, cleanup):
     assert (frame["source"]["path"], frame["line"]) == (str(source), line)
     assert session.evaluate("self.env.rank", frame["id"]) == str(rank)
     resume(session, source)
-    assert job.finish() == 0, job.output()[-6000:]
+    assert job.finish(sessions=[session]) == 0, job.output()[-6000:]
     session.request("disconnect")
 
 

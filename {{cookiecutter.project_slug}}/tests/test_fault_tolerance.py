@@ -25,6 +25,7 @@ from conftest import (
     injected,
     metrics,
     outputs,
+    processes_naming,
     reached_step,
     run,
     start,
@@ -66,20 +67,6 @@ def training_draws_random_numbers():
     model.loss_fn(network(inputs), targets).backward()
     after = streams()
     return not (torch.equal(before[0], after[0]) and np.array_equal(before[1], after[1]) and before[2] == after[2])
-
-
-def processes_naming(text):
-    """The pids of the processes whose command line (as ps shows it) holds `text`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            if not entry.isdigit():
-                continue
-            if str(text).encode() in open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" "):
-                found.append(int(entry))
-        except OSError:
-            continue
-    return found
 
 
 def exited(pid):
