@@ -238,10 +238,12 @@ class Session:
             return [message.get("body", {}) for message in self._events if message["event"] == event]
 
     def describe(self, frames=6):
-        """For a failure message: the events seen so far and, while connected, where each thread of the debuggee is
-        (paused first, as VSCode's pause button does; a thread blocked outside Python cannot pause and says so)."""
+        """For a failure message: the events seen so far (but the many `output` and `module` ones) and, while
+        connected, where each thread of the debuggee is (paused first, as VSCode's pause button does; a thread blocked
+        outside Python cannot pause and says so). Short: an outer test shows only the tail of a failure."""
         with self._changed:
-            events = [(m["event"], *map(m.get("body", {}).get, ("reason", "threadId"))) for m in self._events]
+            seen = [m for m in self._events if m["event"] not in ("output", "module")]
+        events = [(m["event"], *map(m.get("body", {}).get, ("reason", "threadId"))) for m in seen]
         lines = [f"{self.name}: closed {self.closed}; events {events}"]
         try:
             threads = [] if self.closed else self.request("threads", timeout=10)["threads"]

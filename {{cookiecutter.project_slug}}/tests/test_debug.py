@@ -233,7 +233,7 @@ def processes_left(text, pids=()):
     lines = []
     for pid in named + children:
         state, parent = (read(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split() or ["gone", "?"])[:2]
-        wchan, cmdline = read(f"/proc/{pid}/wchan") or "-", read(f"/proc/{pid}/cmdline")[:200]
+        wchan, cmdline = read(f"/proc/{pid}/wchan") or "-", read(f"/proc/{pid}/cmdline")[:100]
         lines.append(f"pid {pid} (parent {parent}) {state} in {wchan}: {cmdline}")
     return lines
 
