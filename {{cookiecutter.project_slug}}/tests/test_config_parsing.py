@@ -90,7 +90,7 @@ def test_flags_must_be_spelled_out(tmp_path, capsys):
     refused(["--conf", write(tmp_path, "batch_size = 4\n")], capsys)
 
 
-def test_unsupported_field_types_are_refused_when_the_parser_is_built():
+def test_unsupported_field_types_are_refused_when_the_parser_is_built(capsys):
     @dataclass
     class Tables:
         sizes: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -99,9 +99,19 @@ def test_unsupported_field_types_are_refused_when_the_parser_is_built():
     class Nested:
         sizes: list[list[int]] = dataclasses.field(default_factory=list)
 
-    for unsupported in (Tables, Nested):
+    @dataclass
+    class Flags:
+        sizes: list[bool] = dataclasses.field(default_factory=list)
+
+    for unsupported in (Tables, Nested, Flags):
         with pytest.raises(TypeError, match="sizes"):
             config.build_parser(unsupported)
+        # at the command line, --help too: one line naming the field and the types there are, exit 2
+        for argv in (["--help"], []):
+            with pytest.raises(SystemExit) as stopped:
+                config.parse_args(argv, unsupported)
+            err = capsys.readouterr().err
+            assert stopped.value.code == 2 and err.count("\n") == 1 and "sizes" in err and "list[int" in err, err
 
 
 @dataclass

@@ -13,6 +13,7 @@ import inspect
 import math
 import operator
 import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -366,8 +367,13 @@ def read_config_file(path: str, config_cls: type) -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None, config_cls: type[SettingsT]) -> SettingsT:
-    """Settings from --config FILE, then the command line on top; exit 2 with one line on the first bad value."""
-    parser = build_parser(config_cls)
+    """Settings from --config FILE, then the command line on top; exit 2 with one line on the first bad value, or on
+    a field of a type no flag can express (at any command line, --help too)."""
+    try:
+        parser = build_parser(config_cls)
+    except TypeError as exc:  # settings(): the field, its type and the types there are
+        print(f"train.py: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     first_pass = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     first_pass.add_argument("--config")  # read first, so that the file's values become the parser's defaults
     path = first_pass.parse_known_args(argv)[0].config
