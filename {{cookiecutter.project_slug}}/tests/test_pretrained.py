@@ -3,6 +3,8 @@ from_pretrained gives, read in blocks, tied weights stay tied, names that do not
 on the meta device leave buffers as build_model made them, and under fsdp (two ranks) each rank gets exactly its
 shard with no more than one block of a tensor in flight."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -31,7 +33,7 @@ def fresh_model(folder):
     return transformers.GPT2LMHeadModel(transformers.GPT2Config.from_pretrained(folder))
 
 
-@pytest.mark.parametrize("kind", ["folder", "shards", "safetensors", "pt"])
+@pytest.mark.parametrize("kind", ["folder", "shards", "safetensors", "pt", "bin"])
 def test_a_model_starts_from_exactly_the_tensors_of_each_kind_of_weights(base, tmp_path, kind, monkeypatch):
     folder, reference = base
     monkeypatch.setattr(pretrained, "BLOCK_BYTES", 300)  # a few rows at a time: blocks, and a tensor's last one short
@@ -41,8 +43,8 @@ def test_a_model_starts_from_exactly_the_tensors_of_each_kind_of_weights(base, t
         assert (path / "model.safetensors.index.json").is_file()
     elif kind == "safetensors":
         path = folder / "model.safetensors"
-    elif kind == "pt":
-        path = tmp_path / "weights.pt"
+    elif kind in ("pt", "bin"):  # a torch.save state dict; save_pretrained's pytorch_model.bin is one
+        path = tmp_path / ("weights.pt" if kind == "pt" else "pytorch_model.bin")
         torch.save(transformers.GPT2LMHeadModel.from_pretrained(folder).state_dict(), path)
     else:
         path = folder
@@ -73,21 +75,116 @@ def test_names_that_do_not_fit_the_model_are_one_line_naming_them(base, tmp_path
 
 
 class Rotary(nn.Module):
+    """Buffers made in __init__, none saved: a rotary table, and others made from a parameter's shape."""
+
     def __init__(self):
         super().__init__()
         self.proj = nn.Linear(4, 4)
         self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 4, 2) / 4), persistent=False)
+        self.register_buffer("mask", torch.ones_like(self.proj.weight), persistent=False)
+        self.register_buffer("bias_mask", self.proj.bias.new_ones(4) * 2, persistent=False)
+        self.register_buffer("zeros", torch.zeros_like(self.proj.weight[0]), persistent=False)
+        self.register_buffer("positions", torch.arange(4, device=self.proj.weight.device), persistent=False)
+        self.register_buffer("scale", torch.tensor([0.5, 2.0]).to(self.proj.weight), persistent=False)
+
+
+class FromValues(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("start", self.proj.weight.detach() * 1.0, persistent=False)
 
 
 def test_parameters_made_on_meta_take_no_memory_and_buffers_keep_their_values():
+    torch.manual_seed(0)
+    reference = dict(Rotary().named_buffers())
     with pretrained.parameters_on_meta():
         model = Rotary()
     assert all(parameter.is_meta for parameter in model.parameters())
-    assert torch.equal(model.inv_freq, Rotary().inv_freq)
     pretrained.materialize(model, torch.device("cpu"))
     assert not any(parameter.is_meta for parameter in model.parameters())
-    assert torch.equal(model.inv_freq, Rotary().inv_freq)
-    assert nn.Linear(2, 2).weight.device.type == "cpu"  # only meanwhile
+    assert_same_weights(dict(model.named_buffers()), reference)
+    assert nn.Linear(2, 2).weight.device.type == "cpu" and torch.ones_like(model.proj.weight).is_meta is False
+
+    # A buffer made from a parameter's values cannot be made on meta: the model is built as usual, with a warning
+    # that names the buffer, and it holds what build_model makes.
+    warnings = []
+    user = SimpleNamespace(build_model=lambda cfg, data: FromValues())
+    torch.manual_seed(0)
+    built = pretrained.build_model(user, None, None, DistEnv(), True, lambda *args: warnings.append(args[0] % args[1:]))
+    assert not any(parameter.is_meta for parameter in built.parameters())
+    torch.manual_seed(0)
+    assert torch.equal(built.start, FromValues().start)
+    assert len(warnings) == 1 and "start" in warnings[0], warnings
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_hugging_face_model_built_on_meta_and_loaded_has_from_pretrained_s_buffers(tmp_path, family):
+    """Rotary tables (Llama) and any other buffers: the same as from_pretrained's, saved or not."""
+    if family == "gpt2":
+        config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+        cls = transformers.GPT2LMHeadModel
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+        )
+        cls = transformers.LlamaForCausalLM
+    cls(config).save_pretrained(tmp_path)
+    reference = cls.from_pretrained(tmp_path)
+    with pretrained.parameters_on_meta():
+        model = cls(config)
+    pretrained.materialize(model, torch.device("cpu"))
+    pretrained.load(model, str(tmp_path), DistEnv())
+    assert_same_weights(dict(model.named_buffers()), dict(reference.named_buffers()))
+    assert_same_weights(model.state_dict(), reference.state_dict())
+
+
+@pytest.mark.parametrize("on_meta", [False, True])
+def test_a_peft_model_starts_from_its_base_s_weights_and_keeps_its_adapters(base, on_meta):
+    """peft's names (base_model.model., base_layer., modules_to_save) are mapped to the base's; the adapters keep
+    what build_model made, also when the base is built on meta (then build_model runs again to make them)."""
+    peft = pytest.importorskip("peft")
+    folder, reference = base
+
+    def build_model(cfg, data):
+        lora = peft.LoraConfig(
+            r=4,
+            target_modules=["c_attn", "c_proj"],
+            fan_in_fan_out=True,
+            modules_to_save=["ln_f"],
+            task_type="CAUSAL_LM",
+        )
+        return peft.get_peft_model(fresh_model(folder), lora)
+
+    warnings = []
+    model = pretrained.build_model(
+        SimpleNamespace(build_model=build_model), None, None, DistEnv(), on_meta, lambda *args: warnings.append(args)
+    )
+    built = {name: value.clone() for name, value in model.state_dict().items() if "lora_" in name}
+    pretrained.materialize(model, torch.device("cpu"))
+    pretrained.load(model, str(folder), DistEnv())
+    assert not warnings
+    base_weights = {
+        name.replace("base_model.model.", "").replace(".base_layer", "").replace(".original_module", ""): value
+        for name, value in model.state_dict().items()
+        if "lora_" not in name and "modules_to_save" not in name
+    }
+    assert_same_weights(base_weights, reference)
+    assert torch.equal(
+        model.state_dict()["base_model.model.transformer.ln_f.modules_to_save.default.weight"],
+        reference["transformer.ln_f.weight"],
+    )
+    adapters = {name: value for name, value in model.state_dict().items() if "lora_" in name}
+    assert_same_weights(adapters, built)
+    lora_a = [value for name, value in adapters.items() if "lora_A" in name]
+    assert all(value.abs().sum() > 0 for value in lora_a)  # made as usual: random, not left on meta
+    assert all(not value.abs().sum() for name, value in adapters.items() if "lora_B" in name)
 
 
 class Tied(nn.Module):

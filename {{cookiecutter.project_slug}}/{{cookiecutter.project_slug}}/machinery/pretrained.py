@@ -5,12 +5,13 @@ meta device and each rank keeps the rows of its own shard, so no rank ever holds
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import logging
 import math
-from collections.abc import Callable, Iterator
+import re
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.overrides import TorchFunctionMode
 
 from .distributed import DistEnv, decided_on_rank_0
 from .hooks import UserCode
@@ -27,6 +29,8 @@ log = logging.getLogger(__name__)
 SHOWN = 5  # names shown per kind of misfit; the rest are counted
 Reader = Callable[[int, int, torch.Tensor], None]  # rows start to stop of one tensor, copied into the tensor given
 BLOCK_BYTES = 16 * 2**20  # what rank 0 reads, and every rank receives, at once: the memory a tensor in flight takes
+PEFT_WRAPPERS = re.compile(r"\.(?:base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")  # what peft inserts
+TORCH_FILE = "pytorch_model.bin"  # save_pretrained's file without safe_serialization: a torch.save state dict
 
 
 class WeightsError(Exception):
@@ -50,6 +54,8 @@ class WeightsFile:
                     self._read_header(where / shard)
             elif single.is_file():
                 self._read_header(single)
+            elif (where / TORCH_FILE).is_file():
+                self._read_state(where / TORCH_FILE)
             else:
                 raise WeightsError(
                     f"{path} is a folder without model.safetensors or model.safetensors.index.json (save_pretrained "
@@ -57,10 +63,8 @@ class WeightsFile:
                 )
         elif where.suffix == ".safetensors" and where.is_file():
             self._read_header(where)
-        elif where.suffix in (".pt", ".pth") and where.is_file():
-            state = self._torch_load(where)
-            self.shapes = {name: tuple(tensor.shape) for name, tensor in state.items()}
-            self.files = dict.fromkeys(state, where)
+        elif (where.suffix in (".pt", ".pth") or where.name == TORCH_FILE) and where.is_file():
+            self._read_state(where)
         elif not where.exists():
             raise WeightsError(f"{path} does not exist")
         else:
@@ -74,6 +78,11 @@ class WeightsFile:
             for name in names:
                 self.shapes[name] = tuple(handle.get_slice(name).get_shape())
                 self.files[name] = file
+
+    def _read_state(self, file: Path) -> None:
+        state = self._torch_load(file)
+        self.shapes = {name: tuple(tensor.shape) for name, tensor in state.items()}
+        self.files = dict.fromkeys(state, file)
 
     def _torch_load(self, file: Path) -> dict[str, torch.Tensor]:
         state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)  # nothing read until used
@@ -130,9 +139,50 @@ def misfit(groups: list[tuple[list[str], torch.Tensor]], shapes: dict[str, tuple
     return {kind: names for kind, names in kinds.items() if names}
 
 
+def peft_names(model: nn.Module) -> tuple[str, str] | None:
+    """For a peft model: (what its names add before its base's, what its adapters' module names start with: "lora_");
+    None for any other model."""
+    peft = sys.modules.get("peft")  # a peft model means peft is imported
+    if peft is None:
+        return None
+    from peft.tuners.tuners_utils import BaseTuner
+
+    if isinstance(model, peft.PeftModel) and isinstance(model.base_model, BaseTuner):
+        return "base_model.model.", model.base_model.prefix
+    if isinstance(model, BaseTuner):
+        return "model.", model.prefix
+    return None
+
+
+def weights_name(name: str, peft: tuple[str, str] | None) -> str | None:
+    """The name the model's tensor `name` has in its starting weights: its own, or for a peft model (`peft_names`)
+    its base model's, without peft's prefix and the wrappers it inserts (`base_layer.` of a layer with adapters, and
+    `original_module.`, `modules_to_save.<adapter>.` of a module trained whole); None for an adapter's own tensor,
+    which no base's weights hold: it keeps what build_model made."""
+    if peft is None:
+        return name
+    outer, adapter = peft
+    base = name.removeprefix(outer)
+    if any(part.startswith(adapter) for part in base.split(".")):
+        return None
+    return PEFT_WRAPPERS.sub("", base)
+
+
+def loaded_groups(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
+    """`tied_groups` under the names the starting weights give them (`weights_name`), adapters left out."""
+    peft = peft_names(model)
+    groups = []
+    for names, tensor in tied_groups(model):
+        found = [found for found in (weights_name(name, peft) for name in names) if found is not None]
+        if found:
+            groups.append((list(dict.fromkeys(found)), tensor))
+    return groups
+
+
 def load(model: nn.Module, path: str, env: DistEnv) -> None:
-    """The weights at `path` into `model`, in place, on every rank: rank 0 reads each tensor and broadcasts it."""
-    groups = tied_groups(model)
+    """The weights at `path` into `model`, in place, on every rank: rank 0 reads each tensor and broadcasts it. A
+    peft model gets its base's weights (its adapters keep what build_model made)."""
+    groups = loaded_groups(model)
     opened: list[WeightsFile] = []  # rank 0's: it reads, the others receive each tensor
 
     def open_checked() -> None:
@@ -146,7 +196,8 @@ def load(model: nn.Module, path: str, env: DistEnv) -> None:
             raise RunError(
                 f"the weights in {path} (pretrained_weights in model.py) do not fit the model build_model returns: "
                 + "; ".join(f"{kind} {cut_short(names, SHOWN)}" for kind, names in kinds.items())
-                + ". Their names must be the model's own state_dict() keys (a tied parameter under any of its names)"
+                + ". Their names must be the model's own state_dict() keys (a tied parameter under any of its names; "
+                "for a peft model, its base model's)"
             )
 
     decided_on_rank_0(env, open_checked, RunError)
@@ -217,53 +268,150 @@ def _copy_in(target: torch.Tensor, read: Reader | None, env: DistEnv, space: lis
             local[low - first : high - first].copy_(block[low - start : high - start])
 
 
-@contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Every nn.Parameter registered meanwhile is made on the meta device (no memory); buffers as usual. What
-    accelerate's init_empty_weights(include_buffers=False) does: buffers such as rotary tables keep their values."""
-    register = nn.Module.register_parameter
+LIKE = {  # tensors made like another: only its shape, dtype and device matter, never its values
+    torch.empty_like,
+    torch.zeros_like,
+    torch.ones_like,
+    torch.full_like,
+    torch.rand_like,
+    torch.randn_like,
+    torch.randint_like,
+    torch.Tensor.new_empty,
+    torch.Tensor.new_zeros,
+    torch.Tensor.new_ones,
+    torch.Tensor.new_full,
+    torch.Tensor.new_tensor,
+}
 
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if type(param) is nn.Parameter and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
 
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign, assignment]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
+class ParametersOnMeta(TorchFunctionMode):
+    """Meanwhile, every nn.Parameter registered is made on the meta device (no memory), but for those `real` counts
+    (the how-manieth parameter registered); `made` lists each one in that order. A tensor made like a parameter on
+    meta (`ones_like(weight)`, `weight.new_zeros(n)`, `arange(n, device=weight.device)`, `x.to(weight.device)`) is
+    made on the default device instead, so buffers made from parameters' shapes hold what build_model makes as
+    usual; one made from their values stays on meta (`meta_buffers` finds it)."""
+
+    def __init__(self, real: set[int] = frozenset()):  # type: ignore[assignment]
+        super().__init__()
+        self.real, self.made = real, cast(list[nn.Parameter], [])
+        self.moving = False  # while a parameter goes to meta: not redirected
+
+    def __enter__(self) -> ParametersOnMeta:
+        register = self.register = nn.Module.register_parameter
+
+        def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            if type(param) is nn.Parameter and param.device.type != "meta" and len(self.made) not in self.real:
+                self.moving = True
+                try:
+                    param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+                finally:
+                    self.moving = False
+            if param is not None:
+                self.made.append(param)
+            register(module, name, param)
+
+        nn.Module.register_parameter = on_meta  # type: ignore[method-assign, assignment]
+        return cast(ParametersOnMeta, super().__enter__())
+
+    def __exit__(self, *exc_info: Any) -> None:
+        nn.Module.register_parameter = self.register  # type: ignore[method-assign]
+        super().__exit__(*exc_info)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.moving:
+            return func(*args, **kwargs)
+        device = kwargs.get("device")
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if func is torch.Tensor.to:
+            target, dtype = torch._C._nn._parse_to(*args[1:], **kwargs)[:2]
+            if first is not None and not first.is_meta and target is not None and target.type == "meta":
+                return first if dtype is None else first.to(dtype)  # made as usual, moved beside a parameter
+        elif device is not None:
+            if torch.device(device).type == "meta":  # beside a parameter: arange(n, device=weight.device)
+                kwargs = {**kwargs, "device": torch.get_default_device()}
+        elif func in LIKE and first is not None and first.is_meta:
+            kwargs = {**kwargs, "device": torch.get_default_device()}
+        return func(*args, **kwargs)
+
+
+def parameters_on_meta(real: set[int] = frozenset()) -> ParametersOnMeta:  # type: ignore[assignment]
+    """What accelerate's init_empty_weights(include_buffers=False) does, and more: `ParametersOnMeta`."""
+    return ParametersOnMeta(real)
+
+
+def meta_buffers(model: nn.Module) -> list[str]:
+    """The model's buffers left on the meta device that no weights fill (a snapshot's or the starting weights'):
+    the non-persistent ones, made from a parameter's values."""
+    unsaved = {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        for name in module._non_persistent_buffers_set
+    }
+    return [name for name, buffer in model.named_buffers() if buffer.is_meta and name in unsaved]
 
 
 def build_model(
     user: UserCode, cfg: Any, train_data: Any, env: DistEnv, on_meta: bool, warn: Callable[..., None]
 ) -> nn.Module:
     """build_model's model on this rank's device; with `on_meta`, its parameters on the meta device (for fsdp to
-    shard before they take memory: `materialize` then allocates the shards)."""
+    shard before they take memory: `materialize` then allocates the shards), but for those no starting weights hold
+    (a peft model's adapters): build_model runs again (the same random streams) and makes them as usual."""
     if on_meta:
+        streams = torch.random.get_rng_state()
         try:
-            with parameters_on_meta():
-                return user.build_model(cfg, train_data)
+            with parameters_on_meta() as building:
+                model = user.build_model(cfg, train_data)
+            peft = peft_names(model)
+            made = {id(parameter): index for index, parameter in enumerate(building.made)}
+            kept = {
+                made[id(parameter)]
+                for name, parameter in model.named_parameters(remove_duplicate=False)
+                if weights_name(name, peft) is None and id(parameter) in made
+            }
+            if kept:
+                torch.random.set_rng_state(streams)
+                with parameters_on_meta(kept):
+                    model = user.build_model(cfg, train_data)
+            unknown = meta_buffers(model)
+            if not unknown:
+                return model
+            reason = f"its buffer {cut_short(unknown, SHOWN)} is made from a parameter's values"
         except Exception as exc:
-            warn(
-                "build_model in model.py cannot run with its parameters on the meta device (%s): the model is "
-                "built as usual, so each rank holds all of it once before it is sharded",
-                first_line(exc),
-            )
+            reason = first_line(exc)
+        warn(
+            "build_model in model.py cannot run with its parameters on the meta device (%s): the model is "
+            "built as usual, so each rank holds all of it once before it is sharded",
+            reason,
+        )
+        torch.random.set_rng_state(streams)
     return user.build_model(cfg, train_data).to(env.device)
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:
     """The (sharded) parameters that are on the meta device, allocated on `device` (not initialized: the weights or
-    a snapshot fill them); the buffers keep the values build_model gave them. A no-op when none is on meta."""
+    a snapshot fill them); the other parameters and the buffers keep the values build_model gave them. A no-op when
+    none is on meta."""
     if not any(parameter.is_meta for parameter in model.parameters()):
         return
-    buffers = {name: buffer for name, buffer in model.named_buffers() if not buffer.is_meta}
-    model.to_empty(device=device)
+    kept = {
+        name: (value.to_local() if isinstance(value, DTensor) else value).detach().to(device)
+        for name, value in [*model.named_parameters(), *model.named_buffers()]
+        if not value.is_meta
+    }
+    names: dict[nn.Parameter, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(parameter, []).append(name)
+    model.to_empty(device=device)  # fully_shard keeps tied parameters one; without it, each is made anew: tie them
+    for first, *others in (tied for tied in names.values() if len(tied) > 1):
+        for name in others:
+            owner, _, attribute = name.rpartition(".")
+            if model.get_parameter(name) is not model.get_parameter(first):
+                setattr(model.get_submodule(owner), attribute, model.get_parameter(first))
     with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name in buffers:
-                buffer.copy_(buffers[name])
+        for name, value in [*model.named_parameters(), *model.named_buffers()]:
+            if name in kept:
+                (value.to_local() if isinstance(value, DTensor) else value).copy_(kept[name])
 
 
 def source(user: UserCode, cfg: Any) -> str | None:
