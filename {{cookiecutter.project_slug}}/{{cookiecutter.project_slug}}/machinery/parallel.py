@@ -10,6 +10,7 @@ import contextlib
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -53,6 +54,11 @@ def _units(module: nn.Module, prefix: str, shared: dict[nn.Parameter, list[str]]
     return units
 
 
+def scalar_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The model's 0-d parameters."""
+    return [parameter for parameter in model.parameters() if parameter.dim() == 0]
+
+
 class DistributedModel:
     """The user's model on this rank's device, sharded (fsdp) or wrapped (ddp), with autocast for --amp."""
 
@@ -65,11 +71,18 @@ class DistributedModel:
         self.distributed: nn.Module = model  # what forward runs through: DDP's wrapper, or the (sharded) model
         self.for_steps: nn.Module = model  # the same, compiled when --compile
         self._settle_pending = False
+        self._sync = True  # whether this micro-batch's backward reduces the gradients over the ranks
 
     def wrap(self, resumed: bool, with_other_jobs: bool = False) -> None:
         """DDP (--strategy ddp with 2 or more ranks: for one, DDP would only copy its gradients into buckets), then
         torch.compile if asked. `with_other_jobs` (partners.py): DDP at any number of ranks, its buckets averaged with
-        the other jobs' too, which must line up (settle_bucket_order)."""
+        the other jobs' too, which must line up (settle_bucket_order). Under fsdp, the 0-d parameters it leaves whole
+        on every rank (`_shard`) get their gradients averaged over the ranks here, once they are the model's own
+        (after `pretrained.materialize`)."""
+        if self.sharded and self.env.world_size > 1:
+            for parameter in scalar_parameters(self.model):
+                if parameter.requires_grad:
+                    parameter.register_post_accumulate_grad_hook(self._average)
         if (self.env.world_size > 1 or with_other_jobs) and not self.sharded:
             device_ids = [self.env.device.index] if self.env.device.type == "cuda" else None
             self.distributed = DistributedDataParallel(self.model, device_ids=device_ids, gradient_as_bucket_view=True)
@@ -83,6 +96,7 @@ class DistributedModel:
         """Gradients are reduced over the ranks on the last micro-batch of a step only."""
         if self.sharded:  # FSDP reduce-scatters gradients on the last micro-step only
             cast(FSDPModule, self.model).set_requires_gradient_sync(last)
+            self._sync = last
             return contextlib.nullcontext()
         if last or not isinstance(self.distributed, DistributedDataParallel):
             return contextlib.nullcontext()
@@ -111,9 +125,16 @@ class DistributedModel:
         self.distributed.train()
         restore_rng(rng_state)
 
+    def _average(self, parameter: torch.Tensor) -> None:
+        """A whole 0-d parameter's gradient, summed over its micro-batches, averaged over the ranks (as FSDP's)."""
+        if self._sync and parameter.grad is not None:
+            dist.all_reduce(parameter.grad)
+            parameter.grad.div_(self.env.world_size)
+
     def _shard(self) -> None:
         """FSDP2: fully_shard each unit (model.py's shard_units(model), else default_shard_units), then the root.
-        Mixed precision (--amp bf16) is FSDP's: bf16 compute, fp32 gradient reduction."""
+        Mixed precision (--amp bf16) is FSDP's: bf16 compute, fp32 gradient reduction. A 0-d parameter (CLIP's
+        logit_scale), which fully_shard cannot cut, stays whole on every rank, as under ddp (`wrap`)."""
         if not self.env.is_distributed:
             raise RunError(
                 f"{flag('strategy')} fsdp shards the model across the ranks of a torchrun job: start it with torchrun "
@@ -124,6 +145,7 @@ class DistributedModel:
         policy = MixedPrecisionPolicy(
             param_dtype=self.amp_dtype, reduce_dtype=torch.float32 if self.amp_dtype else None
         )
+        whole = set(scalar_parameters(self.model))
         shard_units = self.user.shard_units or default_shard_units
         for unit in shard_units(self.model):
             modules = list(unit) if isinstance(unit, (list, tuple)) else [unit]
@@ -136,7 +158,7 @@ class DistributedModel:
                         "children"
                     )
             try:
-                fully_shard(modules if len(modules) > 1 else modules[0], mp_policy=policy)
+                fully_shard(modules if len(modules) > 1 else modules[0], mp_policy=policy, ignored_params=whole)
             except ValueError as exc:
                 if "shared" not in str(exc):
                     raise
@@ -145,4 +167,4 @@ class DistributedModel:
                     "return them together as one list, e.g. [model.embed, model.lm_head], or leave one out (the "
                     "root shards it)"
                 ) from None
-        fully_shard(self.model, mp_policy=policy)
+        fully_shard(self.model, mp_policy=policy, ignored_params=whole)
