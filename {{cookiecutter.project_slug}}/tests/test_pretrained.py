@@ -3,14 +3,16 @@ from_pretrained gives, read in blocks, tied weights stay tied, names that do not
 on the meta device leave buffers as build_model made them, and under fsdp (two ranks) each rank gets exactly its
 shard with no more than one block of a tensor in flight."""
 
+import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import assert_same_weights, save_base_model
+from conftest import EXACT, assert_same_weights, child_env, outputs, project, run, save_base_model, summary, train_cmd
 from torch import nn
 
+from {{ cookiecutter.project_slug }}.data import TeacherDataset
 from {{ cookiecutter.project_slug }}.machinery import pretrained
 from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
 from {{ cookiecutter.project_slug }}.machinery.settings import RunError
@@ -233,3 +235,90 @@ def test_under_fsdp_each_rank_gets_exactly_its_rows_with_one_block_in_flight(tmp
         state, largest = results[rank]
         assert_same_weights(state, {**saved, "head.weight": saved["embed.weight"]})
         assert largest <= 600  # the embedding alone is 8320 bytes
+
+
+# -- under fsdp, for real: a peft model with a 0-d parameter and a buffer made from a parameter ----------------------
+
+SCALED = """
+import os
+
+import peft
+
+
+class Scaled(nn.Module):
+    \"\"\"A 0-d parameter (as CLIP's logit_scale), and a buffer __init__ makes from a parameter, saved nowhere.\"\"\"
+
+    def __init__(self, features, classes):
+        super().__init__()
+        self.embed, self.proj, self.head = nn.Linear(features, 16), nn.Linear(16, 16), nn.Linear(16, classes)
+        self.logit_scale = nn.Parameter(torch.tensor(0.5))
+        self.register_buffer("mask", torch.ones_like(self.proj.weight), persistent=False)
+
+    def forward(self, x):
+        if not torch.equal(self.mask, torch.ones_like(self.mask)):
+            raise ValueError("the mask is not what __init__ made")
+        hidden = torch.relu(self.proj(torch.relu(self.embed(x)))) @ self.mask / 16
+        return self.head(hidden) * self.logit_scale.exp()
+
+
+def build_model(cfg, train_dataset):
+    lora = peft.LoraConfig(r=4, target_modules=["proj"])
+    model = peft.get_peft_model(Scaled(train_dataset.features, train_dataset.classes), lora)
+    model.get_base_model().logit_scale.requires_grad_(True)  # trains beside the adapters
+    return model
+
+
+def shard_units(model):
+    return [model.get_base_model().embed, model.get_base_model().proj]
+
+
+def pretrained_weights(cfg):
+    return os.environ["WEIGHTS"]
+"""
+
+
+def scaled_weights(seed):
+    torch.manual_seed(seed)
+    features, classes = TeacherDataset.features, TeacherDataset.classes
+    layers = {"embed": nn.Linear(features, 16), "proj": nn.Linear(16, 16), "head": nn.Linear(16, classes)}
+    weights = {
+        f"{name}.{kind}": getattr(layer, kind).detach() for name, layer in layers.items() for kind in ("weight", "bias")
+    }
+    return {**weights, "logit_scale": torch.tensor(0.25 * seed)}
+
+
+def test_under_fsdp_a_peft_model_with_a_0_d_parameter_starts_from_its_weights_and_resumes_bitwise(tmp_path):
+    """Two ranks, --strategy fsdp: the base's weights loaded into a peft model built on meta (its adapters made as
+    usual), a buffer made from a parameter's shape holds its values (forward checks), a 0-d parameter trains whole
+    on every rank; a resume from a snapshot of step 4 ends bitwise equal to the run that went on. A resume whose
+    pretrained_weights changed says once that the snapshot wins."""
+    pytest.importorskip("peft")
+    workspace = project(tmp_path, model=SCALED)
+    first, second = scaled_weights(1), scaled_weights(2)
+    pytest.importorskip("safetensors.torch").save_file(first, tmp_path / "first.safetensors")
+    torch.save(second, tmp_path / "second.pt")
+    args = EXACT + ["--strategy", "fsdp", "--max-steps", "6", "--snapshot-every", "2", "--eval-every", "0"]
+
+    def train(name, weights):
+        cmd = train_cmd(2, script=str(workspace / "train.py")) + args + outputs(tmp_path, name)
+        env = child_env(PYTHONPATH=workspace, WEIGHTS=str(tmp_path / weights))
+        return run(cmd, env=env, cwd=workspace).stdout
+
+    train("run", "first.safetensors")
+    assert summary(tmp_path)["steps"] == 6
+    reference = torch.load(tmp_path / "run-export" / "model.pt", weights_only=True)
+    base = {
+        name.replace("base_model.model.", "").replace("base_layer.", ""): value for name, value in reference.items()
+    }
+    for name in ("embed.weight", "proj.weight", "head.bias"):  # frozen: still the file's
+        assert torch.equal(base[name], first[name]), name
+    assert reference["base_model.model.logit_scale"] != first["logit_scale"]  # trained
+    assert reference["base_model.model.proj.lora_B.default.weight"].abs().sum() > 0  # trained from zeros
+
+    shutil.copytree(tmp_path / "run-snapshots", tmp_path / "again-snapshots")
+    shutil.rmtree(tmp_path / "again-snapshots" / "step-00000006")
+    out = train("again", "second.pt")
+    assert (summary(tmp_path, "again")["resumed_from"], summary(tmp_path, "again")["steps"]) == (4, 6)
+    assert_same_weights(torch.load(tmp_path / "again-export" / "model.pt", weights_only=True), reference)
+    said = [line for line in out.splitlines() if "second.pt" in line and "WARNING" in line]
+    assert len(said) == 1 and "first.safetensors" in said[0] and "--resume never" in said[0], out[-3000:]

@@ -21,6 +21,7 @@ class Checkpointer:
     def __init__(self, cfg: Any, env: DistEnv, snapshots: Snapshots, nonfinite: NonfiniteGuard, start: Start):
         self.cfg, self.env, self.snapshots, self.nonfinite = cfg, env, snapshots, nonfinite
         self.state, self.progress, self.length, self.run_id = start.state, start.progress, start.length, start.run_id
+        self.starting_weights = start.starting_weights
         self.last_saved: int | None = start.resumed_from if start.resumed_from >= 0 else None
 
     def maybe_save(self) -> None:
@@ -45,6 +46,7 @@ class Checkpointer:
         frozen_in = self.state.frozen.held_by(step)  # an older snapshot may hold the frozen parameters (frozen.py)
         shared, rank_state, sharded_state = self.state.capture(without_frozen=frozen_in not in (None, step))
         shared.update(step=step, config=self.cfg.to_dict(), run_id=self.run_id, torch_version=str(torch.__version__))
+        shared.update(starting_weights=self.starting_weights)
         self.snapshots.save(
             step, shared, rank_state, blocking=blocking, sharded_state=sharded_state, frozen_in=frozen_in
         )

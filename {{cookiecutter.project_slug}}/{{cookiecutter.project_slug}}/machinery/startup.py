@@ -62,6 +62,7 @@ class Start:
     state: TrainState  # what a snapshot holds
     stepper: Stepper
     rng_state: dict | None  # this rank's random streams, to restore last; None: re-seed them
+    starting_weights: str | None = None  # where the run's first weights came from (pretrained_weights), if anywhere
 
 
 def check_same_data(env: distributed.DistEnv, train: Any, val: Any) -> None:
@@ -140,10 +141,21 @@ def build_and_restore(run: Building) -> Start:
             state.add(name, part, extra=True)
 
     stepper = Stepper(parallel, optimizer, scheduler, scaler, user, cfg, env, progress, run.partners)
-    start = Start(run_id, progress, resumed_from, length, batches, state, stepper, rng_state=None)
+    start = Start(run_id, progress, resumed_from, length, batches, state, stepper, None, run.starting_weights)
     if resumed is not None:
         start.rng_state = state.restore(resumed, folder)
         log_changed_settings(cfg, env, user_scheduler, resumed, folder)
+        start.starting_weights = resumed.get("starting_weights", run.starting_weights)
+        if start.starting_weights != run.starting_weights:
+            warn(
+                env,
+                "pretrained_weights in model.py says %s, and this run started from %s: it resumes from its snapshot "
+                "%s, which wins. To start from the new weights, %s",
+                run.starting_weights,
+                "build_model's own weights" if start.starting_weights is None else start.starting_weights,
+                folder,
+                START_AFRESH,
+            )
     log_start(cfg, env, start, global_batch, user)
     return start
 

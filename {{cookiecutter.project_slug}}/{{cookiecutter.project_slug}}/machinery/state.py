@@ -34,7 +34,7 @@ from .settings import RunError, first_line, flag
 from .snapshot import capture_rng, sharded_keys
 from .snapshot.staging import copied
 
-META = ("step", "config", "run_id", "torch_version")  # what shared.pt holds beside the parts
+META = ("step", "config", "run_id", "torch_version", "starting_weights")  # what shared.pt holds beside the parts
 # Every name a snapshot holds at its top level (load_latest's answer): the trainer's parts, and beside them META and
 # what reading a snapshot adds. None of them can name a part of model.py's extra_state.
 BESIDE_PARTS = (
