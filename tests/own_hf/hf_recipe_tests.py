@@ -234,12 +234,18 @@ def snapshot_contents(folder):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_lora_snapshots_write_the_frozen_base_once_resume_bitwise_and_export_an_adapter_folder(
-    tmp_path, recipe, strategy
+    tmp_path, recipe, monkeypatch, strategy
 ):
     pytest.importorskip("peft")
+    save_base_model(tmp_path / "base-model")  # the base starts from its weights (pretrained_weights)
+    monkeypatch.setenv("BASE_MODEL", str(tmp_path / "base-model"))
     model_module, _ = recipe("lora", extra=EDIT_FROZEN)
     killed_run_ends_as_the_uninterrupted_one(tmp_path, model_module, strategy, ["--keep-snapshots", "2"])
     weights = torch.load(tmp_path / "run-export" / "model.pt", weights_only=True)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base-model").state_dict()
+    for name in ("transformer.wte.weight", "transformer.h.1.attn.c_attn.weight"):  # frozen: still the base's
+        peft_name = "base_model.model." + name.replace("c_attn.", "c_attn.base_layer.")
+        assert torch.equal(weights[peft_name], base[name]), name
     check_adapter_folder_loads_as_model_pt(model_module, tmp_path / "run-export", weights)
 
     model = model_module.build_model(None, None)

@@ -1,7 +1,8 @@
 """Starting from pretrained weights (machinery/pretrained.py): each kind of file gives the model exactly the tensors
 from_pretrained gives, read in blocks, tied weights stay tied, names that do not fit are one line, parameters made
-on the meta device leave buffers as build_model made them, and under fsdp (two ranks) each rank gets exactly its
-shard with no more than one block of a tensor in flight."""
+on the meta device leave buffers as build_model made them (also those made like a parameter), a peft model gets its
+base's weights and keeps its adapters, and under fsdp (two ranks) each rank gets exactly its shard with no more than
+one block of a tensor in flight; a peft model with a 0-d parameter trains under fsdp and resumes bitwise."""
 
 import shutil
 from types import SimpleNamespace

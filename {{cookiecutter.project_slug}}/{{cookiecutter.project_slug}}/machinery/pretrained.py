@@ -1,7 +1,9 @@
 """Starting weights: model.py's `pretrained_weights(cfg)` names a .safetensors file, a Hugging Face folder or a
-.pt/.pth state dict, keyed by the model's own state_dict() names; a run with no snapshot starts from them. Rank 0
-alone reads them, in blocks of rows, and broadcasts each; under fsdp the model is built with its parameters on the
-meta device and each rank keeps the rows of its own shard, so no rank ever holds a second copy of the model."""
+.pt/.pth state dict (pytorch_model.bin), keyed by the model's own state_dict() names (a peft model's: its base's);
+a run with no snapshot starts from them. Rank 0 alone reads them, in blocks of rows, and broadcasts each; under fsdp
+the model is built with its parameters on the meta device (its buffers, and the adapters no weights hold, as
+build_model makes them) and each rank keeps the rows of its own shard, so no rank ever holds a second copy of the
+model."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import logging
 import math
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, cast
 
@@ -291,9 +293,10 @@ class ParametersOnMeta(TorchFunctionMode):
     made on the default device instead, so buffers made from parameters' shapes hold what build_model makes as
     usual; one made from their values stays on meta (`meta_buffers` finds it)."""
 
-    def __init__(self, real: set[int] = frozenset()):  # type: ignore[assignment]
+    def __init__(self, real: Collection[int] = ()):
         super().__init__()
-        self.real, self.made = real, cast(list[nn.Parameter], [])
+        self.real = real
+        self.made: list[nn.Parameter] = []
         self.moving = False  # while a parameter goes to meta: not redirected
 
     def __enter__(self) -> ParametersOnMeta:
@@ -335,7 +338,7 @@ class ParametersOnMeta(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def parameters_on_meta(real: set[int] = frozenset()) -> ParametersOnMeta:  # type: ignore[assignment]
+def parameters_on_meta(real: Collection[int] = ()) -> ParametersOnMeta:
     """What accelerate's init_empty_weights(include_buffers=False) does, and more: `ParametersOnMeta`."""
     return ParametersOnMeta(real)
 
@@ -363,7 +366,9 @@ def build_model(
             with parameters_on_meta() as building:
                 model = user.build_model(cfg, train_data)
             peft = peft_names(model)
-            made = {id(parameter): index for index, parameter in enumerate(building.made)}
+            made: dict[int, int] = {}  # a parameter's first registration (a tied one is registered again)
+            for index, parameter in enumerate(building.made):
+                made.setdefault(id(parameter), index)
             kept = {
                 made[id(parameter)]
                 for name, parameter in model.named_parameters(remove_duplicate=False)
