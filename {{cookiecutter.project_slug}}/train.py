@@ -113,10 +113,10 @@ def run(cfg: config.Config) -> Summary:
             logs.log_failure(log, exc)
             raise
         line = faults.describe(exc)  # the user's code raised: one line naming their function and line
-        logs.log_failure(log, exc, line=line)  # tagged with this rank, with the traceback once
-        line = line or f"{type(exc).__name__}: {exc}".strip()
-        faults.announce(line, env.rank)
-        faults.record(line)  # torchrun's summary and launch() show this line, not the traceback a second time
+        told = line or f"{type(exc).__name__}: {exc}".strip()
+        shown_by = faults.announce(told, env.rank)  # another rank that failed alike first, if one did
+        logs.log_failure(log, exc, line=line, shown_by=shown_by)  # tagged with this rank, the traceback once
+        faults.record(told)  # torchrun's summary and launch() show this line, not the traceback a second time
         debug.post_mortem(env, exc)  # DEBUG_POSTMORTEM=1: wait for a debugger, stopped at the exception
         raise SystemExit(1) from None
     finally:

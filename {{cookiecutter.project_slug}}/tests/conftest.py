@@ -410,17 +410,24 @@ def final_model(snapshot_dir):
 def save_base_model(folder, seed=0, max_shard_size=None):
     """A tiny GPT-2 (its output layer tied to the token embedding) and a tokenizer of the words "0" to "62", written
     by save_pretrained into `folder` (offline): a pretrained model to start from. Returns the model."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
     config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
     model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    save_tokenizer(folder)
+    return model
+
+
+def save_tokenizer(folder):
+    """The tokenizer of save_base_model alone (the words "0" to "62"), written by save_pretrained into `folder`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     words = Tokenizer(models.WordLevel({"[UNK]": 0, **{str(n): n + 1 for n in range(63)}}, unk_token="[UNK]"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(folder)
-    return model
 
 
 def assert_same_weights(a, b):

@@ -18,7 +18,7 @@ from {{ cookiecutter.project_slug }} import config, model
 from {{ cookiecutter.project_slug }}.data import build_datasets
 from {{ cookiecutter.project_slug }}.machinery.batches import Batches, Progress, RunLength
 from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
-from {{ cookiecutter.project_slug }}.machinery.optim import OptimizerPart, SchedulerPart
+from {{ cookiecutter.project_slug }}.machinery.optim import OptimizerPart, SampleSchedule, SchedulerPart
 from {{ cookiecutter.project_slug }}.machinery.snapshot import Snapshots, capture_rng, load_latest
 from {{ cookiecutter.project_slug }}.machinery.state import ModelPart, RngPart, TrainState
 
@@ -87,6 +87,24 @@ def test_the_run_length_and_the_schedule_are_kept_in_samples_across_world_sizes(
     assert length.steps(Progress(step=30, samples_seen=1280), global_batch=32) == 50
     epochs = RunLength(cfg_of("--epochs", "2"), step_samples=32, train_size=1000)
     assert epochs.samples == 2 * (1000 // 32) * 32
+
+
+def test_the_default_schedule_keeps_a_group_built_with_lr_0_at_0_and_moves_the_others():
+    cfg = cfg_of("--max-steps", "20", "--warmup-steps", "4", "--lr", "0.01")
+    length, progress = RunLength(cfg, step_samples=32, train_size=None), Progress()
+    weights = [torch.nn.Parameter(torch.ones(2)) for _ in range(3)]
+    groups = [{"params": [weights[0]], "lr": 0.0}, {"params": [weights[1]]}, {"params": [weights[2]], "lr": 0.005}]
+    optimizer = torch.optim.SGD(groups, lr=0.01)
+    schedule = SampleSchedule(optimizer, length, progress)
+    for _ in range(20):
+        lrs = [group["lr"] for group in optimizer.param_groups]
+        assert lrs == pytest.approx([0.0, length.lr(progress.samples_seen), length.lr(progress.samples_seen) / 2])
+        for weight in weights:
+            weight.grad = torch.ones(2)
+        optimizer.step()
+        progress.samples_seen += 32
+        schedule.step()
+    assert torch.equal(weights[0], torch.ones(2)) and not torch.equal(weights[1], torch.ones(2))
 
 
 # Evaluation and export, for real.

@@ -74,6 +74,39 @@ def test_a_hook_that_raises_on_one_rank_is_one_line_there_and_torchruns_root_cau
     assert re.search(r"rank\s*: 1 ", root_cause) and f"model.py:{line}" in root_cause, root_cause
 
 
+# -- the same error on every rank ------------------------------------------------------------------------------------
+
+FLOAT64_BATCHES = """
+whole_collate = globals().get("collate", torch.utils.data.default_collate)
+
+
+def as_float64(value):
+    if isinstance(value, (tuple, list)):
+        return type(value)(as_float64(each) for each in value)
+    if isinstance(value, dict):
+        return {key: as_float64(each) for key, each in value.items()}
+    return value.double() if torch.is_tensor(value) and value.is_floating_point() else value
+
+
+def collate(items):
+    return as_float64(whole_collate(items))  # the user's bug: float64 batches for a model of float32 parameters
+"""
+
+
+def test_an_error_every_rank_meets_alike_is_one_line_per_rank_and_one_traceback(tmp_path):
+    workspace = project(tmp_path, data=FLOAT64_BATCHES)
+    result = train_in(workspace, tmp_path, SHORT, nproc=2, torchrun_args=["--max-restarts=0"])
+    out = result.stdout
+    assert result.returncode == 1, out[-4000:]
+    errors = {rank: records(out, "ERROR", rank=rank) for rank in (0, 1)}
+    assert all(len(lines) <= 1 for lines in errors.values()), out[-6000:]
+    (first, *_) = [line for lines in errors.values() for line in lines]
+    assert "model.py raised RuntimeError" in first, first  # torch's own error, named in the user's forward
+    # One rank's traceback (the other's at DEBUG) and torchrun's own.
+    assert out.count("Traceback (most recent call last)") == 2, out[-6000:]
+    assert "RuntimeError" in out.split("Root Cause")[1], out[-3000:]
+
+
 # -- a refusal on one rank, under launch() ---------------------------------------------------------------------------
 
 FLOAT_ON_RANK_1 = """

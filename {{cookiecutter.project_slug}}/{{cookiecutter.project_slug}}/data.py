@@ -5,7 +5,8 @@ pairs, as here, or dicts and other nested structures (then write `compute_loss` 
 `collate(items)` here makes a batch of them (e.g. padding). `train` may be map-style (`len()` and `dataset[i]`:
 exact position by index at any world size) or a stream (an `IterableDataset`: each rank takes its share).
 An optional `prepare_data(cfg)` runs before it, once per machine (the machine's other ranks wait for it, however
-long it takes): downloads, tokenizing into a cache. It runs at every start, resumes too: let it skip what is there.
+long it takes): downloads, tokenizing into a cache. It runs at every start, resumes too: let it skip what is there
+(`write_once(folder, build)` of machinery/writeonce.py does, and is safe for jobs that prepare one cache at once).
 
 The demo data is synthetic, made on the spot from a fixed seed (no download): points in 32 dimensions,
 labelled by a random linear "teacher" plus noise. A model can learn it, so the loss visibly falls.

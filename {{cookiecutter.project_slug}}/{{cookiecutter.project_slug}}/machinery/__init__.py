@@ -15,6 +15,7 @@ Your rooms are one level up: model.py, data.py and config.py (the seam: machiner
     evaluate.py     exact evaluation over every rank, at --eval-every; the best weights exported
     state.py        what a snapshot holds: named parts with state_dict()/load_state_dict()
     pretrained.py   pretrained_weights: the starting weights read once, one tensor at a time (fsdp: built on meta)
+    writeonce.py    write_once: a cache folder (prepare_data's) made once, safe for jobs that make it at once
     frozen.py       frozen parameters (a LoRA model's base): written once per run, checked before each save
     snapshot/       snapshots on disk or a store (s3://...): format, staging copies, the folder, the writer; load_latest
     report.py       export, summary, the resolved settings, the progress bar

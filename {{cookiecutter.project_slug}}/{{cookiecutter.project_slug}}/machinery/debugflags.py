@@ -135,11 +135,10 @@ def _original_metrics_file(folder: str) -> str | None:
     return os.path.abspath(written) if written else None
 
 
-def check_debugger(cfg: Any, env: DistEnv) -> None:
+def check_debugger(break_at: int, env: DistEnv) -> None:
     """--break-at-step with pdb to answer breakpoint() on a rank whose stdin is no terminal (a batch job, nohup, CI):
-    refused at start-up, on every rank alike, instead of each rank's pdb reading an end of file at step N."""
-    if not cfg.break_at_step:
-        return
+    refused at start-up, on every rank alike, instead of each rank's pdb reading an end of file at step N. Asked
+    only where the run gets to step N: a relaunch that resumes past it needs no debugger."""
     hook = os.environ.get("PYTHONBREAKPOINT", "")
     debugpy_answers = os.environ.get("DEBUGPY_RUNNING") or (os.environ.get("DEBUG_RANK") and not hook)
     pdb_answers = hook in ("", "pdb.set_trace") and sys.breakpointhook is sys.__breakpointhook__
@@ -147,7 +146,7 @@ def check_debugger(cfg: Any, env: DistEnv) -> None:
     without_terminal = chosen and pdb_answers and not debugpy_answers and not (sys.stdin and sys.stdin.isatty())
     if not distributed.all_true(env, not without_terminal):
         raise RunError(
-            f"{flag('break_at_step')} {cfg.break_at_step}: pdb would answer breakpoint() and needs a terminal, but "
+            f"{flag('break_at_step')} {break_at}: pdb would answer breakpoint() and needs a terminal, but "
             f"stdin is not one (a batch job, nohup, CI). Set DEBUG_RANK (a rank, or all) to attach a debugger at that "
             f"step instead, run from a terminal, or set PYTHONBREAKPOINT to another debugger"
         )
@@ -170,6 +169,8 @@ class DebugFlags:
         self._traced_from = 0  # the first step the profiler saw
         if self.break_at and not self._reachable("break_at_step", self.break_at, self.break_at):
             self.break_at = 0
+        if self.break_at:
+            check_debugger(self.break_at, env)
         if self.profile_range is not None and not self._reachable("profile_steps", *self.profile_range):
             self.profile_range = None
 

@@ -127,12 +127,18 @@ def _store():
         return None
 
 
-def announce(line: str, rank: int) -> None:
-    """Leave `rank failed: line` in the job's store for the ranks that will lose this one (the first rank wins)."""
+def announce(line: str, rank: int) -> int | None:
+    """Leave `rank failed: line` in the job's store for the ranks that will lose this one (the first rank wins).
+    Returns the other rank that left this same line first (every rank failed alike, e.g. on data of the wrong dtype:
+    its traceback tells this one's too), else None."""
     store = _store()
     with contextlib.suppress(RuntimeError, ValueError, OSError):
         if store is not None:
-            store.compare_set(_notice_key(), "", f"rank {rank} failed: {line}")
+            first = store.compare_set(_notice_key(), "", f"rank {rank} failed: {line}").decode(errors="replace")
+            told = re.fullmatch(r"rank (\d+) failed: (.*)", first, re.S)
+            if told and int(told.group(1)) != rank and told.group(2) == line:
+                return int(told.group(1))
+    return None
 
 
 def failed_peer() -> str | None:

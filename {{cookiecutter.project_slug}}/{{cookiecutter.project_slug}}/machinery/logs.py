@@ -158,10 +158,18 @@ def restart_note() -> str:
     )
 
 
-def log_failure(logger: logging.Logger, exc: BaseException, peer: str | None = None, line: str | None = None) -> None:
+def log_failure(
+    logger: logging.Logger,
+    exc: BaseException,
+    peer: str | None = None,
+    line: str | None = None,
+    shown_by: int | None = None,
+) -> None:
     """Log an exception that is about to end this rank, once: a failure of its own with its traceback, after `line`
-    (what failed) when given. When it only says that another rank is gone, one warning naming `peer` (`rank N failed:
-    ...`, when that rank left word), and the traceback at DEBUG: the rank that died has its own error to show."""
+    (what failed) when given; the one line alone when rank `shown_by` failed the same way first and shows that
+    traceback (the traceback here at DEBUG). When it only says that another rank is gone, one warning naming `peer`
+    (`rank N failed: ...`, when that rank left word), and the traceback at DEBUG: the rank that died has its own
+    error to show."""
     if isinstance(exc, KeyboardInterrupt):
         logger.warning("interrupted")
         return
@@ -171,6 +179,9 @@ def log_failure(logger: logging.Logger, exc: BaseException, peer: str | None = N
         what = f"{peer};" if peer else "it stopped, crashed or was killed,"
         logger.warning("lost another rank (%s): %s so this rank stops too; %s", reason, what, restart_note())
         logger.debug("the error that told this rank", exc_info=exc)
+    elif shown_by is not None:
+        logger.error("%s (as on rank %d, which shows the traceback)", line or "training failed", shown_by)
+        logger.debug("the traceback on this rank", exc_info=exc)
     else:
         logger.error("%s", line or "training failed", exc_info=exc)
     exc.__dict__["already_logged"] = True  # read by the excepthook below: this failure is on the console

@@ -101,9 +101,11 @@ class SampleSchedule(LRScheduler):
         super().__init__(optimizer)
 
     def get_lr(self) -> list[float | torch.Tensor]:
-        # Each group keeps its ratio to the first (the default groups share one lr).
+        # Each group keeps its ratio to the first whose lr is not 0 (the default groups share one lr); a group
+        # built with lr 0 (frozen for now) stays at 0.
         lr = self.length.lr(self.progress.samples_seen)
-        return [lr * float(base) / float(self.base_lrs[0]) for base in self.base_lrs]
+        reference = next((float(base) for base in self.base_lrs if float(base) != 0.0), 1.0)
+        return [lr * float(base) / reference for base in self.base_lrs]
 
     def state_dict(self) -> dict[str, Any]:
         return {}  # a function of the progress, which the snapshot holds

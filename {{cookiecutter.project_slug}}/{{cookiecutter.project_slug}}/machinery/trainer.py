@@ -15,7 +15,7 @@ from torch.utils.data import IterableDataset
 from . import distributed, ending, logs, nonfinite, outputs, pretrained, startup, watchdog
 from .batches import Batches
 from .checkpointer import Checkpointer
-from .debugflags import DebugFlags, check_debugger, replay_settings
+from .debugflags import DebugFlags, replay_settings
 from .distributed import DistEnv
 from .evaluate import Validator
 from .hooks import UserCode
@@ -160,12 +160,12 @@ def train(cfg: Any, env: DistEnv, partners: Partners | None = None) -> Summary:
     """Train until --max-steps or --epochs; resume from the newest good snapshot in --snapshot-dir if there is one.
     `partners`: the jobs this one trains the model with (partners.py), if any."""
     cfg = replay_settings(cfg, env)  # --resume-from: a scratch copy of that snapshot is the run's snapshot folder
-    check_debugger(cfg, env)  # --break-at-step: pdb without a terminal is refused before the model is built
     with (
         Trainer(cfg, env, partners) as trainer,  # model, data, optimizer, snapshots: restored from the newest good one
         StopRequest(env) as stop,
         progress_bar(env, trainer.length.total_steps, trainer.progress.step) as bar,
-        # --break-at-step, --profile-steps, --check-replicas: a step the run cannot reach is said here, at start-up
+        # --break-at-step, --profile-steps, --check-replicas: a step the run cannot reach is said here, at start-up,
+        # and pdb without a terminal to stop in is refused
         DebugFlags(cfg, env, trainer.model, trainer.progress, trainer.length.total_steps) as flags,
     ):
         progress, snapshots = trainer.progress, trainer.snapshots
