@@ -78,16 +78,12 @@ def test_a_study_runs_each_trial_in_its_folder_prunes_one_on_every_rank_and_draw
         folder = study_dir(tmp_path) / f"trial-{number}"
         assert (folder / "logs" / "metrics.jsonl").is_file() and (folder / "logs" / "train.log").is_file()
         assert f"lr = {found[number]['lr']!r}" in (folder / "snapshots" / "config.toml").read_text()
-    assert (tmp_path / "sweeps" / "lr-sweep.db").is_file() and (
-        study_dir(tmp_path) / "trials.png"
-    ).is_file()
+    assert (tmp_path / "sweeps" / "lr-sweep.db").is_file() and (study_dir(tmp_path) / "trials.png").is_file()
     # wandb: one run per trial (rank 0 only), grouped by the study, named after the trial
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 3, runs
     for number in found:
-        run_id = json.loads(
-            (study_dir(tmp_path) / f"trial-{number}" / "snapshots" / "run.json").read_text()
-        )
+        run_id = json.loads((study_dir(tmp_path) / f"trial-{number}" / "snapshots" / "run.json").read_text())
         (record,) = [r for r in runs if r.name.endswith(run_id["run_id"])]
         data = next(record.glob("*.wandb")).read_bytes()  # the run's records: its name and group among them
         assert f"trial-{number}".encode() in data and b"lr-sweep" in data
@@ -136,9 +132,7 @@ def test_two_workers_of_one_study_share_its_trials(tmp_path):
     rows = trials(tmp_path, space)
     assert sorted((row["trial"], row["state"]) for row in rows) == [(0, "complete"), (1, "complete")], rows
     for number in (0, 1):  # each trial ran once: one launch, one run in its metrics
-        records = (
-            (study_dir(tmp_path) / f"trial-{number}" / "logs" / "metrics.jsonl").read_text().splitlines()
-        )
+        records = (study_dir(tmp_path) / f"trial-{number}" / "logs" / "metrics.jsonl").read_text().splitlines()
         assert len({json.loads(line)["run_id"] for line in records}) == 1
         assert trial_summary(tmp_path, number)["resumed_from"] == -1
 
