@@ -24,6 +24,8 @@ Your rooms are one level up: model.py, data.py and config.py (the seam: machiner
     settings.py     the settings dataclass <-> command line and TOML
     distributed.py  the torchrun environment, process group, device and teardown
     launcher.py     launch(): torchrun's elastic agent started from Python (notebooks, scripts), output in the caller
+    sweeps.py       an Optuna study whose trials are multi-rank runs, each in a folder (python -m <package>.sweep)
+    trialreport.py  a trial of a sweep: rank 0 reports its metric to the study; a pruned trial stops every rank
     partners.py     the hooks through which jobs that train one model together meet in the loop (none by default)
 {%- if cookiecutter.replica_groups == "yes" %}
     replicas.py     --fault-tolerance torchft: replica groups that train on while a failed one restarts (torchft)

@@ -39,7 +39,13 @@ def finish(trainer: Ending, stop: StopRequest) -> Summary:
     # (then the restart trains on, and the job ends with code 0)
     stop.close(restore_handlers=False)
     stopped = stop.stopped
-    if stopped:
+    if stopped and not stop.signal:  # the run asked to stop itself: a sweep's pruner (trialreport.py)
+        log.info(
+            "stopping at step %s of %s: the sweep pruned this trial; saving a snapshot",
+            trainer.progress.step,
+            trainer.length.total_steps,
+        )
+    elif stopped:
         trainer.warn_from_rank_0(
             "stopping at step %s of %s on signal %s: saving a snapshot; run the same command again to resume",
             trainer.progress.step,
@@ -49,13 +55,14 @@ def finish(trainer: Ending, stop: StopRequest) -> Summary:
     if trainer.checkpointer.last_saved != trainer.progress.step:
         trainer.checkpointer.save(blocking=True)
     trainer.snapshots.wait()
-    if stopped and trainer.env.is_main:
+    if stop.signal and trainer.env.is_main:
         write_json_atomic(
             os.path.join(trainer.snapshots.directory, STOP_RECORD),
             {"job": identity.current_job(), "step": trainer.progress.step, "signal": stop.signal},
         )
         trainer.snapshots.keep_beside(STOP_RECORD)
     summary = run_summary(trainer, trainer.resumed_from >= trainer.length.total_steps, stop.signal if stopped else 0)
+    summary.pruned = stop.asked
     if not stopped:
         trainer.exports.export(trainer.parallel, "model.pt")  # final weights only from a run that finished
     if trainer.env.is_main:

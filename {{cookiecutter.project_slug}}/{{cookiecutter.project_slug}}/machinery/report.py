@@ -50,6 +50,7 @@ class Summary:
     already_complete: bool = False  # the snapshot was already at the end: nothing was trained
     stop_signal: int = 0  # the signal that stopped the run early, 0 if it finished
     snapshot_bytes: int = 0  # the newest snapshot's size on disk, every file of every rank
+    pruned: bool = False  # a sweep's pruner stopped this trial early (trialreport.py)
 
 
 def export(model: nn.Module, sharded: bool, env: DistEnv, export_dir: str, name: str) -> None:

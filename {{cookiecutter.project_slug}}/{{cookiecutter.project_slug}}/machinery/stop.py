@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -40,21 +41,24 @@ def stopped_by_signal(snapshot_dir: str) -> int:
 
 
 class StopRequest:
-    """SIGTERM (what torchrun, SLURM and Kubernetes send before a kill) or Ctrl-C asks the job to stop at a step.
+    """SIGTERM (what torchrun, SLURM and Kubernetes send before a kill) or Ctrl-C asks the job to stop at a step;
+    so may a part of the run itself (`asked`, e.g. a sweep's pruner on rank 0: trialreport.py), with no signal.
 
     The handler only sets a flag; a second Ctrl-C interrupts at once. The ranks agree on when to stop with a
-    one-number all_reduce started after each step and read after the next one, so its latency hides behind the
+    two-number all_reduce started after each step and read after the next one, so its latency hides behind the
     step and all ranks stop together.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, env: DistEnv):
+    def __init__(self, env: DistEnv, asked: Callable[[], bool] | None = None):
         self.env = env
         self.signal = 0  # the signal this rank received
         self.stopped = False  # set on every rank at the same step once the ranks agree to stop
+        self.asked = False  # set with `stopped` when the stop was asked for, not signalled
+        self._asks = asked or (lambda: False)
         self._pending = None
-        self._flag = torch.zeros(1, dtype=torch.int64)
+        self._flag = torch.zeros(2, dtype=torch.int64)  # [signal, asked], the largest of every rank's
         self._interrupts = 0
         # torchrun forwards each Ctrl-C it gets to its workers (on a loaded machine seconds later), so a worker under
         # torchrun receives every Ctrl-C of a terminal twice: the user's second one is its third SIGINT.
@@ -72,13 +76,12 @@ class StopRequest:
     def agreed(self) -> bool:
         """True on every rank at the same step, once any rank got the signal."""
         if not self.env.is_distributed:
-            self.stopped = bool(self.signal)
+            self._learn(self._wanted().tolist())
             return self.stopped
         if self._pending is not None:
             self._pending.wait()
-            self.stopped = bool(self._flag.item())
-            self.signal = self.signal or int(self._flag.item())
-        self._flag.fill_(self.signal)
+            self._learn(self._flag.tolist())
+        self._flag.copy_(self._wanted())
         self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
         return self.stopped
 
@@ -87,13 +90,23 @@ class StopRequest:
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
-            self.signal = self.signal or int(self._flag.item())
+            self._learn(self._flag.tolist())
+        self._flag.copy_(self._wanted())
         if self.env.is_distributed:
-            self._flag.fill_(self.signal)
             dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
-            self.signal = self.signal or int(self._flag.item())
-        self.stopped = bool(self.signal)
+        self._learn(self._flag.tolist())
         return self.stopped
+
+    def _wanted(self) -> torch.Tensor:
+        """This rank's wish: [its signal or 0, 1 when the run asked to stop]."""
+        return torch.tensor([self.signal, int(self._asks())], dtype=torch.int64)
+
+    def _learn(self, flag: list[int]) -> None:
+        """What the ranks agreed on: a signal (every rank stops with it), or a stop the run asked for."""
+        signum, asked = flag
+        self.signal = self.signal or signum
+        self.asked = self.asked or bool(asked)
+        self.stopped = self.stopped or bool(signum or asked)
 
     def close(self, restore_handlers: bool = True) -> None:
         if self._pending is not None:

@@ -43,7 +43,9 @@ def _read_or_create_run_id(path: str) -> str:
         with open(path, encoding="utf-8") as handle:
             content = json.load(handle)
     except FileNotFoundError:
-        created = secrets.token_hex(4)
+        # A run that `wandb agent` started (scripts/wandb-sweep.yaml) keeps the run id the agent gave it
+        given = os.environ.get("WANDB_RUN_ID", "") if os.environ.get("WANDB_SWEEP_ID") else ""
+        created = given if RUN_ID.match(given) else secrets.token_hex(4)
         write_json_atomic(path, {"run_id": created})
         return created
     except (OSError, ValueError, RecursionError) as exc:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
-from . import distributed, ending, logs, nonfinite, outputs, pretrained, startup, watchdog
+from . import distributed, ending, logs, nonfinite, outputs, pretrained, startup, trialreport, watchdog
 from .batches import Batches
 from .checkpointer import Checkpointer
 from .debugflags import DebugFlags, replay_settings
@@ -27,7 +27,7 @@ from .snapshot import SnapshotError, Snapshots, restore_rng
 from .snapshot.rng import seed_rng
 from .state import estimated_bytes
 from .stop import StopRequest
-from .tracking import MetricsLog
+from .tracking import MetricsLog, Trackers
 
 log = logging.getLogger(__name__)
 PACKAGE = __name__.rsplit(".", 2)[0]  # the project's package, which holds model.py and data.py
@@ -86,6 +86,9 @@ class Trainer:
         except BaseException:
             self.snapshots.close()
             raise
+        self.trial = trialreport.for_run(env)  # a sweep's trial: its metric goes to the study, whose pruner may stop it
+        if self.trial is not None:
+            tracker = Trackers([tracker, self.trial])
         self.run_id, self.progress, self.length = start.run_id, start.progress, start.length
         self.resumed_from, self.batches = start.resumed_from, start.batches
         self.state, self.stepper = start.state, start.stepper
@@ -162,7 +165,7 @@ def train(cfg: Any, env: DistEnv, partners: Partners | None = None) -> Summary:
     cfg = replay_settings(cfg, env)  # --resume-from: a scratch copy of that snapshot is the run's snapshot folder
     with (
         Trainer(cfg, env, partners) as trainer,  # model, data, optimizer, snapshots: restored from the newest good one
-        StopRequest(env) as stop,
+        StopRequest(env, trainer.trial.asks_to_stop if trainer.trial else None) as stop,
         progress_bar(env, trainer.length.total_steps, trainer.progress.step) as bar,
         # --break-at-step, --profile-steps, --check-replicas: a step the run cannot reach is said here, at start-up,
         # and pdb without a terminal to stop in is refused
