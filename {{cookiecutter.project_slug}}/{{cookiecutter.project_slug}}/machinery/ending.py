@@ -100,7 +100,7 @@ def log_step_times(summary: Summary) -> None:
     if not times or not any(each["steps"] for each in times):
         return
     busy = [sum(each[part] for part in PARTS if part != "wait") for each in times]
-    shown = range(len(times))
+    shown = list(range(len(times)))
     if len(times) > 8:
         ordered = sorted(shown, key=busy.__getitem__)
         shown = sorted({ordered[(len(ordered) - 1) // 2], ordered[-1]})

@@ -233,10 +233,13 @@ class Measure:
         what the batches tell (batch_tokens), else None."""
         if self.stepper.step_count is not None:
             return self.stepper.step_count
-        counts = [batch_tokens(batch) for batch in micro_batches]
-        if not counts or any(each is None for each in counts):
-            return None
-        return sum(counts[1:], counts[0])
+        total: torch.Tensor | int = 0
+        for batch in micro_batches:
+            tokens = batch_tokens(batch)
+            if tokens is None:
+                return None
+            total = total + tokens
+        return total if micro_batches else None
 
     @contextlib.contextmanager
     def counting_flops(self) -> Iterator[None]:
