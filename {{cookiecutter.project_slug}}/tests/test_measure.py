@@ -84,6 +84,23 @@ def test_tokens_come_from_compute_loss_count_first_and_parts_add_up(caplog):
     assert set(PARTS) <= step_times[0].keys() and step_times[0]["compute"] > 0
 
 
+def test_mfu_is_the_first_steps_counted_flops_per_second_over_the_peak():
+    measure, model, optimizer = single_process_measure()
+    measure._peak = 1e9  # as a GPU's peak from the table: FLOPs are counted where the peak is known
+    with measure.counting_flops():
+        one_step(measure, model, optimizer, (torch.ones(2, 64), None))
+    with measure.counting_flops():  # the first step only
+        one_step(measure, model, optimizer, (torch.ones(2, 64), None))
+    # forward 2 x 2 x 64 x 64 (the matmul of 2 samples), backward as much again (the weight's gradient; the input
+    # needs none), over 2 steps
+    assert measure.interval(seconds=0.5, steps=2)["mfu"] == pytest.approx(2 * 2 * 2 * 64 * 64 * 2 / 0.5 / 1e9)
+    # where the batches tell their tokens: 6 x the parameters per token
+    measure, model, optimizer = single_process_measure(step_count=torch.tensor(10.0, dtype=torch.float64))
+    measure._peak = 1e9
+    one_step(measure, model, optimizer, {})
+    assert measure.interval(seconds=2.0, steps=1)["mfu"] == pytest.approx(6 * 64 * 65 * 10 / 2.0 / 1e9)
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="the peak is reset through /proc")
 def test_the_peak_memory_of_an_interval_is_its_own():
     measure, model, optimizer = single_process_measure()
