@@ -120,6 +120,7 @@ TOKEN_DATA = """
 import os
 import time
 
+import torch
 from torch.utils.data import default_collate
 
 
@@ -139,12 +140,21 @@ def collate(items):
 """
 
 TOKEN_MODEL = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
 def build_model(cfg, train_dataset):
     return nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16))
 
 
 def compute_loss(model, batch):
     return F.cross_entropy(model(batch["input_ids"]).flatten(0, 1), batch["labels"].flatten())
+
+
+def build_optimizer(cfg, model):  # in place of one model.py may have for its own model
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr)
 """
 
 
