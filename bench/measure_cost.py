@@ -3,10 +3,13 @@
     python bench/measure_cost.py [--blocks 40] [--steps 25] [--json bench/MEASURE_COST.json]
 
 Bakes the template and imports its machinery. A model the size of the demo (32 -> 256 x 3 -> 10, AdamW, batch 32)
-trains in blocks of `--steps` steps, alternately with the measuring of each step (the five marks of the loop,
-token counting, and the gradient hooks that ddp on CPU gets) and without; each reports the median time per step
-over its blocks. Apart: the time of interval() (what a logged step adds: reading and resetting the peak memory, in
-one process) and of the all-gather it makes on 2 gloo ranks (2 processes on this machine).
+trains in blocks of `--steps` steps, alternately with the measuring of each step (the six marks of the loop, token
+counting, and the gradient hooks that ddp on CPU gets) and without; each reports the median and the fastest time
+per step over its blocks (on a busy machine both swing more than the measuring costs). Apart, each the fastest of
+many repetitions: one mark (done()), one gradient hook (256 scalar parameters' backward with and without hooks),
+and the per-step cost they make for this model (6 marks, a hook per parameter) against its fastest step; the time
+of interval() (what a logged step adds: reading and resetting the peak memory, in one process) and of the
+all-gather it makes on 2 gloo ranks (2 processes on this machine).
 """
 
 import argparse
@@ -94,7 +97,29 @@ def main():
             for _ in range(args.steps):
                 step(measured)
             per_step[measured].append((time.perf_counter() - started) / args.steps)
-        with_it, without = statistics.median(per_step[True]), statistics.median(per_step[False])
+
+        # The parts alone, each the fastest of many repetitions (the least disturbed by a busy machine)
+        def fastest(function, reps=30, calls=1000):
+            best = float("inf")
+            for _ in range(reps):
+                started = time.perf_counter()
+                for _ in range(calls):
+                    function()
+                best = min(best, (time.perf_counter() - started) / calls)
+            return best
+
+        mark = fastest(lambda: marks.done("data"))
+        scalars = [torch.zeros((), requires_grad=True) for _ in range(256)]
+
+        def backward():
+            torch.stack(scalars).sum().backward()
+
+        plain_backward = fastest(backward, calls=20)
+        handles = [scalar.register_post_accumulate_grad_hook(marks._gradient_done) for scalar in scalars]
+        hooked_backward = fastest(backward, calls=20)
+        for handle in handles:
+            handle.remove()
+        hook = (hooked_backward - plain_backward) / len(scalars)
 
         single = measure.Measure(types.SimpleNamespace(amp="off"), distributed.DistEnv(), stepper)
         interval = []
@@ -107,12 +132,19 @@ def main():
         mp.spawn(gather_times, args=(Path(scratch) / "store", 500, results), nprocs=2)
         gather = max(results.values())
 
+    parameters = len(list(model.parameters()))
     report = {
         "machine": f"{os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}",
-        "load_average": os.getloadavg()[0],
-        "step_ms_without": round(without * 1e3, 3),
-        "step_ms_with": round(with_it * 1e3, 3),
-        "per_step_overhead": round(with_it / without - 1, 4),
+        "load_average": round(os.getloadavg()[0], 1),
+        "step_ms_without_median": round(statistics.median(per_step[False]) * 1e3, 3),
+        "step_ms_with_median": round(statistics.median(per_step[True]) * 1e3, 3),
+        "step_ms_without_fastest": round(min(per_step[False]) * 1e3, 3),
+        "step_ms_with_fastest": round(min(per_step[True]) * 1e3, 3),
+        "mark_us": round(mark * 1e6, 3),
+        "hook_us": round(hook * 1e6, 3),
+        # the loop's 6 marks and one hook per parameter, against the fastest step without measuring
+        "per_step_cost_us": round((6 * mark + parameters * hook) * 1e6, 1),
+        "per_step_cost_share": round((6 * mark + parameters * hook) / min(per_step[False]), 5),
         "interval_ms": round(statistics.median(interval) * 1e3, 3),
         "all_gather_ms_2_ranks": round(gather * 1e3, 3),
     }
