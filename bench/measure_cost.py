@@ -115,7 +115,7 @@ def main():
             torch.stack(scalars).sum().backward()
 
         plain_backward = fastest(backward, calls=20)
-        handles = [scalar.register_post_accumulate_grad_hook(marks._gradient_done) for scalar in scalars]
+        handles = [scalar.register_post_accumulate_grad_hook(marks._gradients.accumulated) for scalar in scalars]
         hooked_backward = fastest(backward, calls=20)
         for handle in handles:
             handle.remove()

@@ -86,7 +86,7 @@ def test_tokens_come_from_compute_loss_count_first_and_parts_add_up(caplog):
 
 def test_mfu_is_the_first_steps_counted_flops_per_second_over_the_peak():
     measure, model, optimizer = single_process_measure()
-    measure._peak = 1e9  # as a GPU's peak from the table: FLOPs are counted where the peak is known
+    measure._peak, measure._count_flops = 1e9, True  # as on a GPU whose peak is in the table
     with measure.counting_flops():
         one_step(measure, model, optimizer, (torch.ones(2, 64), None))
     with measure.counting_flops():  # the first step only

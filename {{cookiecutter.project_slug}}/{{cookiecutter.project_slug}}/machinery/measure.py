@@ -152,6 +152,18 @@ class _HostMemory:
         return True
 
 
+class _GradientClock:
+    """When this rank's last gradient was accumulated. The parameters' hooks hold it, and nothing of the run: a
+    hook that held the run's parts would make a cycle that keeps the model, and so its process group, alive after
+    the run (processes exit without a last garbage collection)."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+
+    def accumulated(self, parameter: torch.Tensor) -> None:
+        self.last = time.perf_counter()
+
+
 class Measure:
     """Times the parts of each step on this rank, counts its tokens, and reads its peak memory; `interval()` at a
     logged step turns them into metrics over every rank, `summary()` at the end into each rank's split."""
@@ -177,15 +189,14 @@ class Measure:
         if self.cuda and self._peak is None and env.is_main:
             log.info("no mfu: the peak FLOP/s of %s is not known", torch.cuda.get_device_name(env.device))
         self._flops_per_step = 0.0  # FLOPs one rank's step takes, counted at the first step (batches without tokens)
+        # (not through torch.compile's graphs: a compiled model's mfu needs batches that tell their tokens)
+        self._count_flops = self._peak is not None and not getattr(cfg, "compile", False)
         # Under ddp on CPU, backward's time after this rank's last gradient is the wait for the gradient sync
-        self._last_grad = 0.0
+        self._gradients = _GradientClock()
         if env.is_distributed and not sharded and not self.cuda:
             for parameter in model.parameters():
                 if parameter.requires_grad:
-                    parameter.register_post_accumulate_grad_hook(self._gradient_done)
-
-    def _gradient_done(self, parameter: torch.Tensor) -> None:
-        self._last_grad = time.perf_counter()
+                    parameter.register_post_accumulate_grad_hook(self._gradients.accumulated)
 
     def _event(self) -> Any:
         if not self.cuda:
@@ -203,8 +214,8 @@ class Measure:
         seconds, self._last = now - self._last, now
         if part == "compute":
             self._step_tokens = self._tokens_of(micro_batches or [])
-            if self._last_grad > now - seconds:  # the gradients of this step: the rest of backward was the sync
-                waited = now - self._last_grad
+            if self._gradients.last > now - seconds:  # the gradients of this step: the rest of backward was the sync
+                waited = now - self._gradients.last
                 self.totals["wait"] += waited
                 seconds -= waited
             if self._first_step:
@@ -245,7 +256,7 @@ class Measure:
     def counting_flops(self) -> Iterator[None]:
         """Around forward and backward: at the first step on a GPU with a known peak, the FLOPs they take (the mfu of
         batches without tokens)."""
-        if not (self._first_step and self._peak is not None):
+        if not (self._first_step and self._count_flops):
             yield
             return
         from torch.utils.flop_counter import FlopCounterMode
