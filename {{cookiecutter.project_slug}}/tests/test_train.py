@@ -42,6 +42,11 @@ def test_single_process_trains_and_summarizes(tmp_path):
     records = metrics(tmp_path)
     assert [r["step"] for r in records] == [5, 10, 15, 20, 25, 30]
     assert all({"loss", "lr", "samples_per_s", "epoch"} <= r.keys() for r in records), records[0]
+    # Each logged step's peak memory (one rank: its own); each part of the run's step time, in the summary
+    assert all(r["peak_memory_mib"] > 0 and r["peak_memory_rank"] == 0 for r in records), records[0]
+    (step_times,) = done["step_times"]
+    assert step_times["steps"] == 30 and step_times["compute"] > 0 and step_times["data"] > 0, step_times
+    assert {"optimizer", "wait", "snapshot"} <= step_times.keys() and done["straggler"] is None
     assert records[-1]["loss"] == done["last_loss"] and records[0]["loss"] == done["first_loss"]
     _, val = default_datasets()
     if val is not None:
@@ -87,6 +92,8 @@ def test_two_ranks_log_each_info_record_once(two_rank_run):
     assert max(counts.values()) == 1, f"repeated records: {[m for m, n in counts.items() if n > 1]}"
     done = summary(tmp_path)
     assert (done["world_size"], done["steps"]) == (2, 20)
+    assert [each["steps"] for each in done["step_times"]] == [20, 20], done["step_times"]
+    assert all(r["peak_memory_rank"] in (0, 1) and r["peak_memory_mib"] > 0 for r in metrics(tmp_path))
 
 
 def test_quiet_ranks_stay_quiet_without_debug_all_ranks(two_rank_run):
@@ -148,6 +155,9 @@ def test_wandb_offline_makes_one_run_on_rank_0_and_keeps_its_id_on_relaunch(tmp_
     assert len(runs) == 1, runs
     run_id = json.loads((tmp_path / "run-snapshots" / "run.json").read_text())["run_id"]
     assert runs[0].name.endswith(run_id)
+    # the run's history holds what the metrics file does (the history's keys are plain strings in its records)
+    history = b"".join(path.read_bytes() for path in runs[0].glob("*.wandb"))
+    assert all(key in history for key in (b"samples_per_s", b"peak_memory_mib", b"peak_memory_rank")), runs
 
     run(train_cmd(nproc=2) + args + ["--max-steps", "20"], env=env)
     assert (summary(tmp_path)["resumed_from"], summary(tmp_path)["steps"]) == (10, 20)

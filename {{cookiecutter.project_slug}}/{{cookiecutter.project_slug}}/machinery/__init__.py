@@ -33,6 +33,7 @@ Your rooms are one level up: model.py, data.py and config.py (the seam: machiner
     logs.py         rank-aware logging (one clean console, every rank's warnings)
     faults.py       an error in your code, in one line naming your function and line, on the rank it happened on
     tracking.py     experiment tracking (wandb on rank 0, the metrics file), the run id, the logged metrics
+    measure.py      what steps cost: tokens/s, peak memory and mfu per logged step; each rank's step time by part
     outputs.py      the files beside the snapshots belong to one run: path checks at start-up, the export folder
     joblock.py      one job per snapshot folder
     parentdeath.py  workers that do not outlive their torchrun agent

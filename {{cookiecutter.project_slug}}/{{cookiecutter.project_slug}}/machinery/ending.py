@@ -7,6 +7,7 @@ import os
 from typing import Any, Protocol
 
 from . import identity, logs
+from .measure import PARTS
 from .report import Summary, val_text, write_summary
 from .snapshot import step_name, write_json_atomic
 from .stop import STOP_RECORD, StopRequest
@@ -25,6 +26,7 @@ class Ending(Protocol):
     snapshots: Any
     checkpointer: Any
     exports: Any
+    measure: Any
     run_id: str
     metrics_file: str
     resumed_from: int
@@ -88,6 +90,7 @@ def finish(trainer: Ending, stop: StopRequest) -> Summary:
             summary.last_loss,
             val_text(summary),
         )
+    log_step_times(summary)
     log.info(
         "snapshots: %s (newest %s); exported weights: %s",
         summary.snapshot_dir,
@@ -97,8 +100,33 @@ def finish(trainer: Ending, stop: StopRequest) -> Summary:
     return summary
 
 
+def log_step_times(summary: Summary) -> None:
+    """Where each rank's step time went (every rank up to 8; beyond, the median rank and the slowest), and the
+    straggler if there is one."""
+    times = summary.step_times
+    if not times or not any(each["steps"] for each in times):
+        return
+    busy = [sum(each[part] for part in PARTS if part != "wait") for each in times]
+    shown = list(range(len(times)))
+    if len(times) > 8:
+        ordered = sorted(shown, key=busy.__getitem__)
+        shown = sorted({ordered[(len(ordered) - 1) // 2], ordered[-1]})
+    parts = lambda rank: " ".join(f"{part} {times[rank][part]:.2f}" for part in PARTS)  # noqa: E731
+    rows = "; ".join(f"rank {rank} {parts(rank)}" for rank in shown)
+    log.info("step time in seconds over %s steps: %s", times[0]["steps"], rows)
+    found = summary.straggler
+    if found is not None:
+        log.info(
+            "straggler: rank %s, %.0f%% slower than the median rank without waiting, most in %s",
+            found["rank"],
+            100 * (found["seconds"] / found["median_seconds"] - 1),
+            found["part"],
+        )
+
+
 def run_summary(trainer: Ending, already_complete: bool, stop_signal: int) -> Summary:
     cfg, progress = trainer.cfg, trainer.progress
+    step_times, straggler = trainer.measure.summary()  # every rank: one all-gather
     return Summary(
         run_id=trainer.run_id,
         world_size=trainer.env.world_size,
@@ -119,4 +147,6 @@ def run_summary(trainer: Ending, already_complete: bool, stop_signal: int) -> Su
         already_complete=already_complete,
         stop_signal=stop_signal,
         snapshot_bytes=trainer.snapshots.size(progress.step),
+        step_times=step_times,
+        straggler=straggler,
     )

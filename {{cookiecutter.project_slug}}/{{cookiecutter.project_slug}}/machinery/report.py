@@ -10,7 +10,7 @@ import math
 import os
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -51,6 +51,10 @@ class Summary:
     stop_signal: int = 0  # the signal that stopped the run early, 0 if it finished
     snapshot_bytes: int = 0  # the newest snapshot's size on disk, every file of every rank
     pruned: bool = False  # a sweep's pruner stopped this trial early (trialreport.py)
+    # Each rank's seconds of its steps in this process by part (data, compute, optimizer, wait, snapshot) and its
+    # steps, in rank order; the rank that held the others up, if one did (measure.py)
+    step_times: list = field(default_factory=list)
+    straggler: dict | None = None
 
 
 def export(model: nn.Module, sharded: bool, env: DistEnv, export_dir: str, name: str) -> None:

@@ -54,6 +54,7 @@ class Stepper:
         self.partners = partners or Partners()  # the jobs this one trains with: their gradients are averaged in
         # The loss of the last forward_backward: this rank's own (the mean over every rank when token-weighted)
         self.step_loss = torch.zeros((), device=env.device)
+        self.step_count: torch.Tensor | None = None  # compute_loss's count of the last step on this rank, if a dict
         # The first step whose loss (this rank's own) or gradient (the step's, over every rank) was not finite:
         # marked on the device at every step, without waiting for it, and read where the loop syncs anyway (log,
         # snapshot), which stop the run before a snapshot can hold what such a step made of the weights.
@@ -86,6 +87,7 @@ class Stepper:
                 sums += torch.stack([result.loss.detach().double(), result.count])
             else:
                 step_loss += loss.detach()
+        self.step_count = sums[1].clone() if token_weighted else None
         if token_weighted:
             self._mark(self.first_bad_loss, torch.isfinite(sums[0]))  # this rank's own, before the others' are added
             step_loss = self._token_weighted(sums).to(step_loss.dtype)

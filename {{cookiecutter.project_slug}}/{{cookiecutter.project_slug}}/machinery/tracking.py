@@ -15,6 +15,7 @@ from typing import Any, Literal, cast
 from . import distributed, outputs
 from .batches import Progress, RunLength
 from .distributed import DistEnv
+from .measure import Measure
 from .nonfinite import NonfiniteGuard
 from .outputs import RUN_ID
 from .plot import records_in
@@ -206,7 +207,8 @@ class Trackers(Tracker):
 
 class MetricsLog:
     """The training metrics, logged at every --log-every step and the last: the mean loss since the last log over
-    every rank, the learning rate, the speed (samples/s of training time only); a run whose loss diverged stops."""
+    every rank, the learning rate, the speed (samples/s of training time only, and tokens/s, peak memory and mfu from
+    measure.py); a run whose loss diverged stops."""
 
     def __init__(
         self,
@@ -217,8 +219,10 @@ class MetricsLog:
         progress: Progress,
         length: RunLength,
         global_batch: int,
+        measure: Measure,
     ):
         self.cfg, self.tracker, self.stepper, self.nonfinite = cfg, tracker, stepper, nonfinite
+        self.measure = measure
         self.progress, self.length, self.global_batch = progress, length, global_batch
         self.timer = time.perf_counter()  # since the last log, less the time spent apart from training
 
@@ -228,6 +232,7 @@ class MetricsLog:
 
     def log(self) -> None:
         progress, stepper, elapsed = self.progress, self.stepper, time.perf_counter() - self.timer
+        measured = self.measure.interval(elapsed, stepper.loss_steps)  # first: its all-gather times the wait
         self.nonfinite.check()
         loss = self.nonfinite.synced_loss()
         progress.last_loss = loss
@@ -238,17 +243,22 @@ class MetricsLog:
             "lr": stepper.lr,
             "epoch": progress.epoch,
             "samples_per_s": stepper.loss_steps * self.global_batch / elapsed,
+            **measured,
         }
         if self.cfg.clip_grad:
             metrics["grad_norm"] = float(stepper.grad_norm)
         log.info(
-            "step %d/%d  epoch %d  loss %.4f  lr %.2e  %.0f samples/s%s",
+            "step %d/%d  epoch %d  loss %.4f  lr %.2e  %.0f samples/s%s  peak %.0f MiB (rank %d)%s%s",
             progress.step,
             self.length.total_steps,
             progress.epoch,
             loss,
             metrics["lr"],
             metrics["samples_per_s"],
+            f"  {metrics['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in metrics else "",
+            metrics["peak_memory_mib"],
+            metrics["peak_memory_rank"],
+            f"  mfu {metrics['mfu']:.1%}" if "mfu" in metrics else "",
             f"  grad norm {metrics['grad_norm']:.3g}" if "grad_norm" in metrics else "",
         )
         self.tracker.log(metrics, progress.step)

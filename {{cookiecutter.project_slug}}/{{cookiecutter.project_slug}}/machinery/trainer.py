@@ -19,6 +19,7 @@ from .debugflags import DebugFlags, replay_settings
 from .distributed import DistEnv
 from .evaluate import Validator
 from .hooks import UserCode
+from .measure import Measure
 from .parallel import DistributedModel
 from .partners import Partners
 from .report import Summary, progress_bar, write_config
@@ -99,9 +100,10 @@ class Trainer:
         self.hang_watch = watchdog.HangWatch(env.rank, timeout * 0.8, cfg.log_file)  # stacks, before the timeout
         self.partners.join(self)  # from here on, the jobs meet at every step
         self.nonfinite = nonfinite.NonfiniteGuard(self)  # NaN and infinity: the check at logs and snapshots
+        self.measure = Measure(cfg, env, self.stepper)  # the parts of each step's time, tokens, peak memory
         # The parts that decide their own cadence in train(): metrics, evaluation, snapshots
         self.metrics = MetricsLog(
-            cfg, tracker, self.stepper, self.nonfinite, self.progress, self.length, self.global_batch
+            cfg, tracker, self.stepper, self.nonfinite, self.progress, self.length, self.global_batch, self.measure
         )
         self.validator = Validator(
             self.val_data, self.parallel, self.user, cfg, env, self.metrics, self.exports, self.hang_watch.beat
@@ -171,21 +173,30 @@ def train(cfg: Any, env: DistEnv, partners: Partners | None = None) -> Summary:
         # and pdb without a terminal to stop in is refused
         DebugFlags(cfg, env, trainer.model, trainer.progress, trainer.length.total_steps) as flags,
     ):
-        progress, snapshots = trainer.progress, trainer.snapshots
+        progress, snapshots, measure = trainer.progress, trainer.snapshots, trainer.measure
         while progress.step < trainer.length.total_steps and not stop.stopped:
             if not trainer.start_step(stop):  # the jobs this one trains with, if any, start the step together
                 break
-            trainer.forward_backward(flags.before_forward(next(trainer.batches)))
+            measure.begin_step()  # each part of the step's time ends at a mark: done(part)
+            micro_batches = flags.before_forward(next(trainer.batches))
+            measure.done("data")
+            with measure.counting_flops():
+                trainer.forward_backward(micro_batches)
+            measure.done("compute", micro_batches)
             # Between backward and the optimizer step, always: the save in flight must have copied the weights
             # before the optimizer changes them in place (a test fails when it moves).
             snapshots.wait_until_copied()
+            measure.done("snapshot")
             if not trainer.optimizer_step():
                 continue  # a job failed during this step: it is dropped, and taken again with the same data
+            measure.done("optimizer")
             flags.after_step()  # before the snapshot: --check-replicas stops a run whose replicas drifted apart
             bar.update()
 
             trainer.metrics.maybe_log()  # each at its own cadence (--log-every, --eval-every, --snapshot-every)
             trainer.validator.maybe_evaluate()
+            measure.done(None)  # the checks, logging and evaluation are no part of the step's time
             trainer.checkpointer.maybe_save()
+            measure.done("snapshot")
             stop.agreed()  # every rank learns of a SIGTERM or Ctrl-C at the same step
         return ending.finish(trainer, stop)
