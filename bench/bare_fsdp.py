@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from phase_probe import Phases
-from torch.distributed import destroy_process_group, init_process_group
+from torch.distributed import barrier, init_process_group
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
@@ -79,7 +79,8 @@ def main():
         optimizer.zero_grad(set_to_none=True)
         steps += 1
     phases.dump(args.out, steps=steps)
-    destroy_process_group()
+    barrier()
+    os._exit(0)  # gloo's destroy_process_group can hang a rank once the others have gone; nothing is left to do
 
 
 if __name__ == "__main__":

@@ -155,6 +155,7 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--snapshot-every", type=int, default=10)
     parser.add_argument("--no-bare", action="store_true", help="leave the bare loop out")
+    parser.add_argument("--no-template", action="store_true", help="run the bare loop only")
     parser.add_argument("--blocking-saves", action="store_true", help="each snapshot written before training goes on")
     parser.add_argument("--label", default="", help="a name for this set of runs in the .json")
     parser.add_argument("--out", default=str(BENCH / "MEMORY.json"), help="records are added to this .json")
@@ -192,7 +193,8 @@ def main():
                     *("--wandb", "disabled", "--log-file", "", "--metrics-file", ""),
                     *("--snapshot-dir", str(folder / "snapshots"), "--export-dir", str(folder / "export")),
                 ]
-                found[("template", width)] = torchrun(nproc, str(wrapper), run_args, project, env, folder)
+                if not args.no_template:
+                    found[("template", width)] = torchrun(nproc, str(wrapper), run_args, project, env, folder)
                 if not args.no_bare:
                     bare_args = [
                         *("--project", str(project), "--package", package, "--strategy", strategy),
