@@ -117,7 +117,7 @@ def table(records, label):
         "|---|---|---|" + "---|" * (len(phases) + 2),
     ]
     for r in sorted(rows, key=lambda r: (r["strategy"], r["ranks"], r["source"] != "template")):
-        cells = [f"{r['above_mib'][p]:.0f}" if p in r["above_mib"] else "" for p in phases]
+        cells = [f"{round(r['above_mib'][p])}" if p in r["above_mib"] else "" for p in phases]  # no "-0"
         lines.append(
             f"| {r['strategy']} | {r['ranks']} | {r['source']} | "
             + " | ".join(cells)
