@@ -577,3 +577,45 @@ def test_a_replay_copies_the_snapshot_that_holds_the_frozen_parameters_too(tmp_p
     replay = replay_settings(cfg, DistEnv())
     assert sorted(p.name for p in (tmp_path / "snapshots.replay-20").glob("step-*")) == [step_name(10), step_name(20)]
     assert torch.equal(load_latest(replay.snapshot_dir)["model"]["base"], saved[20][0])
+
+
+def resident_mib():
+    """(this process's resident memory now, its peak since the last reset), MiB; the peak is reset to now."""
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+    now, peak = (int(fields[key].split()[0]) / 1024 for key in ("VmRSS", "VmHWM"))
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+    return now, peak
+
+
+# Tensors over 32 MiB: glibc maps each one of its own and unmaps it when freed, so the resident memory follows them.
+BIG = 3 * 2**20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="reads the peak resident memory of Linux")
+def test_the_export_writes_the_weights_without_a_second_copy_of_them(tmp_path):
+    from {{ cookiecutter.project_slug }}.machinery import report
+
+    model = torch.nn.Sequential(torch.nn.Linear(BIG, 3, bias=False), torch.nn.Linear(3, BIG, bias=False))
+    size_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    before, _ = resident_mib()
+    report.export(model, False, DistEnv(), str(tmp_path), "model.pt")
+    _, peak = resident_mib()
+    assert peak - before < size_mib / 2, f"the export held {peak - before:.0f} MiB more, the weights are {size_mib:.0f}"
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert all(torch.equal(exported[name], value) for name, value in model.state_dict().items())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="reads the resident memory of Linux")
+def test_the_staging_copy_of_the_state_goes_once_the_run_saves_no_more(tmp_path):
+    snapshots = Snapshots(tmp_path, DistEnv(), keep=3)
+    snapshots.prepare(estimated_bytes=1)
+    state = {"model": {"w": torch.ones(BIG, 4)}}
+    snapshots.save(1, state, {"rng": torch.arange(3)}, blocking=True)
+    snapshots.save(2, state, {"rng": torch.arange(3)}, blocking=True)  # into the staging buffers of the first
+    holding, _ = resident_mib()
+    snapshots.release_buffers()
+    released, _ = resident_mib()
+    snapshots.close()
+    assert holding - released > 0.8 * 4 * BIG * 4 / 2**20
+    assert torch.equal(load_latest(tmp_path)["model"]["w"], state["model"]["w"])

@@ -57,6 +57,7 @@ def finish(trainer: Ending, stop: StopRequest) -> Summary:
     if trainer.checkpointer.last_saved != trainer.progress.step:
         trainer.checkpointer.save(blocking=True)
     trainer.snapshots.wait()
+    trainer.snapshots.release_buffers()  # no save comes after the last: room for the export's gather
     if stop.signal and trainer.env.is_main:
         write_json_atomic(
             os.path.join(trainer.snapshots.directory, STOP_RECORD),

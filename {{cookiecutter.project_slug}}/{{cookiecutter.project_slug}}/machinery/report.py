@@ -70,10 +70,21 @@ def export(model: nn.Module, sharded: bool, env: DistEnv, export_dir: str, name:
     if not env.is_main:
         return
     os.makedirs(export_dir, exist_ok=True)
-    weights = {key: value.detach().to("cpu", copy=True) for key, value in state.items()}
+    weights = {key: _own_cpu_tensor(value) for key, value in state.items()}
     write_atomic(os.path.join(export_dir, name), lambda handle: torch.save(weights, handle))
     if name == FINAL and callable(getattr(model, "save_pretrained", None)):
         save_pretrained(model, weights, os.path.join(export_dir, HF_FOLDER))
+
+
+def _own_cpu_tensor(value: Any) -> Any:
+    """`value` as a CPU tensor that holds exactly its own elements, copied only when it is not one already: torch.save
+    writes a tensor's whole storage, and under fsdp the gathered weights are new CPU tensors already, so a copy of
+    every one would hold the whole model twice on rank 0 while it is written."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.detach()
+    whole = value.is_contiguous() and value.untyped_storage().nbytes() == value.numel() * value.element_size()
+    return value if value.device.type == "cpu" and whole else value.to("cpu", copy=True)
 
 
 def save_pretrained(model: nn.Module, weights: dict[str, Any], folder: str) -> None:

@@ -150,6 +150,13 @@ class Snapshots(SnapshotFolder):
         if self.uploads is not None:
             self._as_save_failure(self.uploads.drain)
 
+    def release_buffers(self) -> None:
+        """Let the staging buffers go, once the run saves no more snapshots: they hold a copy of this rank's state
+        (its shards under fsdp), room the export after the last save needs to gather the whole model on rank 0."""
+        self._wait_written()
+        self._staging.clear()
+        self._pinned.clear()
+
     def _wait_written(self) -> None:
         if self._thread is not None:
             self._thread.join()

@@ -1,0 +1,234 @@
+"""Each rank's memory at each phase of a run, --strategy ddp vs fsdp, at 1, 2 and 4 CPU ranks, beside a bare loop.
+
+    python bench/memory_phases.py [--project /path/to/baked_project] [--ranks 1,2,4] [--strategies ddp,fsdp]
+                                  [--width 2048 --depth 6] [--steps 20] [--out bench/MEMORY.md]
+
+The baked train.py runs under torchrun (gloo, one thread per rank) through a wrapper that marks the phases with
+phase_probe.py: startup (imports, process group), build (build_model), wrap (sharding or DDP, the optimizer, the
+snapshot folder, everything up to the first step), forward and backward (of step 1), step (its optimizer step:
+AdamW's state appears), steps (every later step), snapshot (a save, made blocking here: Checkpointer.save and the
+writer's copy, serialization and commit, so that its memory is its own), eval (evaluation) and export (model.pt,
+best.pt). Each phase's figure is its own peak resident memory (VmHWM, reset between phases); above baseline = minus
+the same phase's peak in a run of the same strategy and ranks with --width 32 (what every rank pays anyway). Beside
+each, bare_fsdp.py: the same model, data, batch and AdamW in a plain loop (fully_shard per Linear + root, or DDP),
+measured the same way against its own --width 32 run: the floor.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import bake, machine
+
+BENCH = Path(__file__).resolve().parent
+PHASES = ("startup", "build", "wrap", "forward", "backward", "step", "steps", "snapshot", "eval", "export")
+
+WRAPPER = """
+import os, sys
+from phase_probe import Phases
+phases = Phases()
+import train
+from {package}.machinery import checkpointer, evaluate, hooks, outputs, pretrained, trainer
+
+def around(owner, name, phase, then=None):
+    original = getattr(owner, name)
+    def marked(*args, **kwargs):
+        before = phases.current
+        phases.enter(phase)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            phases.enter(then or before)
+    setattr(owner, name, marked)
+
+around(pretrained, "build_model", "build", then="wrap")
+around(evaluate, "evaluate", "eval")
+around(outputs.ExportFolder, "export", "export")
+original_save = checkpointer.Checkpointer.save
+def blocking_save(self, blocking=False):
+    before = phases.current
+    phases.enter("snapshot")
+    try:
+        original_save(self, blocking=True)
+    finally:
+        phases.enter(before)
+if os.environ.get("MEMORY_BLOCKING_SAVES") == "1":
+    checkpointer.Checkpointer.save = blocking_save
+else:
+    around(checkpointer.Checkpointer, "save", "snapshot")
+original_step = hooks.UserCode.step
+def step(self, model, batch):
+    result = original_step(self, model, batch)
+    if phases.current == "forward":
+        phases.enter("backward")
+    return result
+hooks.UserCode.step = step
+original_forward_backward = trainer.Trainer.forward_backward
+def forward_backward(self, micro_batches):
+    if phases.current == "wrap":
+        phases.enter("forward")
+    original_forward_backward(self, micro_batches)
+    if phases.current == "backward":
+        phases.enter("step")
+trainer.Trainer.forward_backward = forward_backward
+original_optimizer_step = trainer.Trainer.optimizer_step
+def optimizer_step(self):
+    stepped = original_optimizer_step(self)
+    phases.enter("steps")
+    return stepped
+trainer.Trainer.optimizer_step = optimizer_step
+train.main(sys.argv[1:])
+phases.dump(os.environ["MEMORY_OUT"])
+"""
+
+
+def torchrun(nproc, script, args, cwd, env, out):
+    """Run `script` on `nproc` ranks; each rank's record."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
+    result = subprocess.run(
+        cmd, cwd=cwd, env={**env, "MEMORY_OUT": str(out)}, capture_output=True, text=True, timeout=3600
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
+
+
+def peaks(records):
+    """{phase: the largest peak over the ranks}, and "run": the largest of them (the whole run's peak)."""
+    found: dict[str, float] = {}
+    for record in records:
+        for phase, peak in record["peak_mib"].items():
+            found[phase] = max(found.get(phase, 0.0), peak)
+    found["run"] = max(found.values())
+    return found
+
+
+def table(records, label):
+    """The Markdown table of one label's records: each phase's peak above baseline, the largest rank's."""
+    rows = [r for r in records if r["label"] == label]
+    phases = [p for p in PHASES if any(p in r["above_mib"] for r in rows)]
+    lines = [
+        "| strategy | ranks | loop | " + " | ".join(phases) + " | whole run | whole run, MiB |",
+        "|---|---|---|" + "---|" * (len(phases) + 2),
+    ]
+    for r in sorted(rows, key=lambda r: (r["strategy"], r["ranks"], r["source"] != "template")):
+        cells = [f"{round(r['above_mib'][p])}" if p in r["above_mib"] else "" for p in phases]  # no "-0"
+        lines.append(
+            f"| {r['strategy']} | {r['ranks']} | {r['source']} | "
+            + " | ".join(cells)
+            + f" | **{r['above_mib']['run']:.0f}** | {r['peak_mib']['run']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def ratios(records, label):
+    """fsdp / ddp (template) and template / bare, whole run above baseline, per number of ranks."""
+    found = {(r["source"], r["strategy"], r["ranks"]): r["above_mib"]["run"] for r in records if r["label"] == label}
+    lines = ["| ranks | fsdp / ddp (template) | fsdp / ddp (bare) | fsdp template / bare | ddp template / bare |"]
+    lines.append("|---|---|---|---|---|")
+    for n in sorted({key[2] for key in found}):
+
+        def ratio(a, b):
+            return f"{found[a] / found[b]:.2f}x" if a in found and b in found and found[b] > 0 else ""
+
+        lines.append(
+            f"| {n} | {ratio(('template', 'fsdp', n), ('template', 'ddp', n))} | "
+            f"{ratio(('bare', 'fsdp', n), ('bare', 'ddp', n))} | "
+            f"{ratio(('template', 'fsdp', n), ('bare', 'fsdp', n))} | "
+            f"{ratio(('template', 'ddp', n), ('bare', 'ddp', n))} |"
+        )
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--project", default="", help="a baked project (default: bake the template)")
+    parser.add_argument("--ranks", default="1,2,4")
+    parser.add_argument("--strategies", default="ddp,fsdp")
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--snapshot-every", type=int, default=10)
+    parser.add_argument("--no-bare", action="store_true", help="leave the bare loop out")
+    parser.add_argument("--no-template", action="store_true", help="run the bare loop only")
+    parser.add_argument("--blocking-saves", action="store_true", help="each snapshot written before training goes on")
+    parser.add_argument("--label", default="", help="a name for this set of runs in the .json")
+    parser.add_argument("--out", default=str(BENCH / "MEMORY.json"), help="records are added to this .json")
+    parser.add_argument("--tables", default="", help="print the tables of these labels (comma-separated) and exit")
+    args = parser.parse_args()
+    if args.tables:
+        records = json.loads(Path(args.out).read_text())
+        for label in args.tables.split(","):
+            print(f"{label}:\n\n{table(records, label)}\n\n{ratios(records, label)}\n")
+        return
+
+    work = Path(tempfile.mkdtemp(prefix="memory-phases-"))
+    project, package = (
+        (Path(args.project).resolve(), Path(args.project).resolve().name) if args.project else bake(work / "bake")
+    )
+    wrapper = work / "measure.py"
+    wrapper.write_text(WRAPPER.format(package=package))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "DEBUG_", "TORCHELASTIC_"))}
+    env.update({"PYTHONPATH": f"{project}{os.pathsep}{BENCH}", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"})
+    if args.blocking_saves:
+        env["MEMORY_BLOCKING_SAVES"] = "1"
+
+    out = Path(args.out)
+    records = json.loads(out.read_text()) if out.exists() else []
+    for nproc in map(int, args.ranks.split(",")):
+        for strategy in args.strategies.split(","):
+            found = {}
+            for width in (32, args.width):
+                size = ["--width", str(width), "--depth", str(args.depth)]
+                folder = work / f"{strategy}-{nproc}-{width}"
+                run_args = [
+                    *size,
+                    *("--strategy", strategy, "--max-steps", str(args.steps)),
+                    *("--snapshot-every", str(args.snapshot_every), "--eval-every", "0", "--threads-per-rank", "1"),
+                    *("--wandb", "disabled", "--log-file", "", "--metrics-file", ""),
+                    *("--snapshot-dir", str(folder / "snapshots"), "--export-dir", str(folder / "export")),
+                ]
+                if not args.no_template:
+                    found[("template", width)] = torchrun(nproc, str(wrapper), run_args, project, env, folder)
+                if not args.no_bare:
+                    bare_args = [
+                        *("--project", str(project), "--package", package, "--strategy", strategy),
+                        *(*size, "--max-steps", str(args.steps), "--out", str(folder / "bare")),
+                    ]
+                    found[("bare", width)] = torchrun(
+                        nproc, str(BENCH / "bare_fsdp.py"), bare_args, project, env, folder / "bare"
+                    )
+            for source in ("template", "bare"):
+                if (source, args.width) not in found:
+                    continue
+                model, base = peaks(found[(source, args.width)]), peaks(found[(source, 32)])
+                record = {
+                    "label": args.label,
+                    "source": source,
+                    "strategy": strategy,
+                    "ranks": nproc,
+                    "width": args.width,
+                    "depth": args.depth,
+                    "steps": args.steps,
+                    "blocking_saves": args.blocking_saves,
+                    "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+                    "peak_mib": {k: round(v, 1) for k, v in model.items()},
+                    "above_mib": {k: round(v - base[k], 1) for k, v in model.items() if k in base},
+                    "per_rank": found[(source, args.width)],
+                    "baseline_per_rank": found[(source, 32)],
+                    "machine": machine(),
+                }
+                records.append(record)
+                shown = " ".join(f"{k} {v:.0f}" for k, v in record["above_mib"].items())
+                print(f"{args.label} {source} {strategy} {nproc}: {shown}", flush=True)
+                out.write_text(json.dumps(records, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
