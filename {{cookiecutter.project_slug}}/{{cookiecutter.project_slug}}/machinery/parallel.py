@@ -1,4 +1,5 @@
-"""The model across the ranks: DDP (--strategy ddp) or FSDP2 (--strategy fsdp), mixed precision, torch.compile.
+"""The model across the ranks: DDP (--strategy ddp) or FSDP2 (--strategy fsdp), mixed precision, torch.compile,
+activation checkpointing (checkpointing.py) applied to the units first.
 
 Snapshots and exports always use the unwrapped model (`DistributedModel.model`): its own state_dict, no
 `module.` prefix.
@@ -14,6 +15,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from . import checkpointing
 from .distributed import DistEnv
 from .hooks import UserCode
 from .settings import RunError, flag
@@ -60,8 +62,11 @@ class DistributedModel:
         self.model, self.cfg, self.env, self.user = model, cfg, env, user
         self.sharded = cfg.strategy == "fsdp"
         self.amp_dtype = AMP_DTYPES[cfg.amp]
+        units = self.units() if self.sharded or cfg.activation_checkpointing != "off" else []
+        # Before fully_shard, DDP and torch.compile: they see modules whose forward recomputes in backward
+        self.recomputed = checkpointing.apply(model, units, cfg.activation_checkpointing)
         if self.sharded:
-            self._shard()  # before the optimizer is built: it must hold the sharded parameters
+            self._shard(units)  # before the optimizer is built: it must hold the sharded parameters
         self.distributed: nn.Module = model  # what forward runs through: DDP's wrapper, or the (sharded) model
         self.for_steps: nn.Module = model  # the same, compiled when --compile
         self._settle_pending = False
@@ -111,7 +116,7 @@ class DistributedModel:
         self.distributed.train()
         restore_rng(rng_state)
 
-    def _shard(self) -> None:
+    def _shard(self, units: list[list[nn.Module]]) -> None:
         """FSDP2: fully_shard each unit (model.py's shard_units(model), else default_shard_units), then the root.
         Mixed precision (--amp bf16) is FSDP's: bf16 compute, fp32 gradient reduction."""
         if not self.env.is_distributed:
@@ -124,17 +129,7 @@ class DistributedModel:
         policy = MixedPrecisionPolicy(
             param_dtype=self.amp_dtype, reduce_dtype=torch.float32 if self.amp_dtype else None
         )
-        shard_units = self.user.shard_units or default_shard_units
-        for unit in shard_units(self.model):
-            modules = list(unit) if isinstance(unit, (list, tuple)) else [unit]
-            for module in modules:
-                if not isinstance(module, nn.Module) or isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-                    what = type(module).__name__
-                    raise RunError(
-                        f"shard_units in model.py returned a {what} as a unit: return submodules with a forward, or "
-                        "lists of them (each list sharded as one unit); for a ModuleList or ModuleDict, name its "
-                        "children"
-                    )
+        for modules in units:
             try:
                 fully_shard(modules if len(modules) > 1 else modules[0], mp_policy=policy)
             except ValueError as exc:
@@ -146,3 +141,21 @@ class DistributedModel:
                     "root shards it)"
                 ) from None
         fully_shard(self.model, mp_policy=policy)
+
+    def units(self) -> list[list[nn.Module]]:
+        """The model's units, each as a list of modules: model.py's shard_units(model), else default_shard_units.
+        fsdp shards each on its own; --activation-checkpointing recomputes them."""
+        shard_units = self.user.shard_units or default_shard_units
+        units = []
+        for unit in shard_units(self.model):
+            modules = list(unit) if isinstance(unit, (list, tuple)) else [unit]
+            for module in modules:
+                if not isinstance(module, nn.Module) or isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+                    what = type(module).__name__
+                    raise RunError(
+                        f"shard_units in model.py returned a {what} as a unit: return submodules with a forward, or "
+                        "lists of them (each list sharded as one unit); for a ModuleList or ModuleDict, name its "
+                        "children"
+                    )
+            units.append(modules)
+        return units
