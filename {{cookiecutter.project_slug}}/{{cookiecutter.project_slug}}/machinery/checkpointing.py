@@ -15,7 +15,9 @@ the same random numbers as the forward did (dropout replays its masks): a run en
 A unit's forward may take keyword arguments and non-tensor values; what a recompute cannot replay is an argument
 with state of its own that the forward may change (a Hugging Face `Cache`, updated in place): a training call that
 passes one stops the run in one line naming the unit and the argument (checked in eager mode, not while
-torch.compile traces). A model without units is refused at start-up.
+torch.compile traces). A model without units is refused at start-up;
+a model that is one unit (a wrapper such as a peft model, whose default unit is its one child) is warned about:
+recomputed whole, it saves nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import logs
 from .faults import BadUserValue
 from .settings import RunError, flag
 
@@ -71,9 +74,10 @@ def chosen(units: Sequence[Sequence[nn.Module]], mode: str) -> list[nn.Module]:
     return [module for unit in picked for module in unit]
 
 
-def apply(model: nn.Module, units: Sequence[Sequence[nn.Module]], mode: str) -> list[nn.Module]:
+def apply(model: nn.Module, units: Sequence[Sequence[nn.Module]], mode: str, is_main: bool = True) -> list[nn.Module]:
     """Checkpoint the modules `mode` picks among `units` (each a list of modules); return them. Before fully_shard,
-    DDP and torch.compile: they then see a module whose forward checkpoints itself."""
+    DDP and torch.compile: they then see a module whose forward checkpoints itself. `is_main`: this rank says the
+    warning every rank meets alike."""
     if mode == "off":
         return []
     if not units:
@@ -82,14 +86,25 @@ def apply(model: nn.Module, units: Sequence[Sequence[nn.Module]], mode: str) -> 
             "parameters): split it into submodules, or return them from shard_units(model) in model.py"
         )
     names = {module: name for name, module in model.named_modules()}
+    if len(units) == 1:  # a wrapper (a peft model) is one unit by default: recomputed whole, it keeps it all
+        logs.warn_from_rank_0(
+            log,
+            is_main,
+            "%s %s: the model is one unit (%s), so %s; return its blocks from shard_units(model) in model.py",
+            flag("activation_checkpointing"),
+            mode,
+            names.get(units[0][0]) or type(units[0][0]).__name__,
+            "nothing is recomputed" if mode == "selective" else "backward recomputes it whole: no memory is saved",
+        )
     modules = chosen(units, mode)
     for module in modules:
         if not getattr(type(module), "_recomputes_in_backward", False):
             module.__class__ = _checkpointed(type(module))
         module._checkpoint_name = names.get(module, type(module).__name__)
-    shown = ", ".join(names.get(m, type(m).__name__) or "(the model)" for m in modules[:4])
-    more = f", ... ({len(modules)} in all)" if len(modules) > 4 else ""
-    log.info("activation checkpointing %s: recomputed in backward: %s%s", mode, shown, more)
+    if modules:
+        shown = ", ".join(names.get(m, type(m).__name__) or "(the model)" for m in modules[:4])
+        more = f", ... ({len(modules)} in all)" if len(modules) > 4 else ""
+        log.info("activation checkpointing %s: recomputed in backward: %s%s", mode, shown, more)
     return modules
 
 

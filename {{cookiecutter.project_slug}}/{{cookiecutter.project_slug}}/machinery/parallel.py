@@ -64,7 +64,7 @@ class DistributedModel:
         self.amp_dtype = AMP_DTYPES[cfg.amp]
         units = self.units() if self.sharded or cfg.activation_checkpointing != "off" else []
         # Before fully_shard, DDP and torch.compile: they see modules whose forward recomputes in backward
-        self.recomputed = checkpointing.apply(model, units, cfg.activation_checkpointing)
+        self.recomputed = checkpointing.apply(model, units, cfg.activation_checkpointing, env.is_main)
         if self.sharded:
             self._shard(units)  # before the optimizer is built: it must hold the sharded parameters
         self.distributed: nn.Module = model  # what forward runs through: DDP's wrapper, or the (sharded) model
