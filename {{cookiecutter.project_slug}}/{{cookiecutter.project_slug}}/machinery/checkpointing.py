@@ -15,9 +15,8 @@ the same random numbers as the forward did (dropout replays its masks): a run en
 A unit's forward may take keyword arguments and non-tensor values; what a recompute cannot replay is an argument
 with state of its own that the forward may change (a Hugging Face `Cache`, updated in place): a training call that
 passes one stops the run in one line naming the unit and the argument (checked in eager mode, not while
-torch.compile traces). A model without units is refused at start-up;
-a model that is one unit (a wrapper such as a peft model, whose default unit is its one child) is warned about:
-recomputed whole, it saves nothing.
+torch.compile traces). A model without units is refused at start-up; a model that is one unit (a wrapper such as a
+peft model, whose default unit is its one child) is warned about: recomputed whole, it saves nothing.
 """
 
 from __future__ import annotations
