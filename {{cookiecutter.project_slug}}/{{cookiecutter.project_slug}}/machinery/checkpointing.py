@@ -9,8 +9,10 @@ How: the unit's class is swapped for a subclass whose `forward` runs the origina
 `torch.utils.checkpoint.checkpoint(use_reentrant=False, preserve_rng_state=True)`, before fully_shard, DDP and
 torch.compile see the model. So the module tree and its state_dict keys do not change (snapshots, exports and
 pretrained weights are unaffected, unlike with checkpoint_wrapper's `_checkpoint_wrapped_module.` prefix), module
-hooks (FSDP's gathers) stay outside the recomputed region as they are outside `forward`, and the recompute draws
-the same random numbers as the forward did (dropout replays its masks): a run ends bitwise-equal with it on or off.
+hooks (FSDP's gathers) stay outside the recomputed region as they are outside `forward`, the recompute draws the
+same random numbers as the forward did (dropout replays its masks), and buffers the forward changes in place
+(BatchNorm's running statistics) are put back after the recompute, so they are updated once: a run ends
+bitwise-equal with it on or off.
 
 A unit's forward may take keyword arguments and non-tensor values; what a recompute cannot replay is an argument
 with state of its own that the forward may change (a Hugging Face `Cache`, updated in place): a training call that
@@ -21,15 +23,17 @@ peft model, whose default unit is its one child) is warned about: recomputed who
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import logging
 import types
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import checkpoint
 
 from . import logs
@@ -124,12 +128,51 @@ def _checkpointed(cls: type[nn.Module]) -> type:
             def run(*values: Any) -> Any:
                 return original(*values[:count], **dict(zip(keys, values[count:], strict=True)))
 
-            return checkpoint(run, *args, *kwargs.values(), use_reentrant=False, preserve_rng_state=True)
+            if torch.compiler.is_compiling():  # the compiled graph changes buffers once, in forward
+                return checkpoint(run, *args, *kwargs.values(), use_reentrant=False, preserve_rng_state=True)
+            buffers = _ChangedBuffers(self)
+            return checkpoint(
+                run,
+                *args,
+                *kwargs.values(),
+                use_reentrant=False,
+                preserve_rng_state=True,
+                context_fn=lambda: (buffers.forward(), buffers.recompute()),
+            )
 
         subclass = type(cls.__name__, (cls,), {"forward": forward, "_recomputes_in_backward": True})
         subclass.__qualname__, subclass.__module__ = cls.__qualname__, cls.__module__
         _CLASSES[cls] = subclass
     return _CLASSES[cls]
+
+
+class _ChangedBuffers:
+    """The buffers a unit's forward changes in place, put back as they were after its recompute in backward: updated
+    once per forward, as without checkpointing. Those whose version counter the forward moved, and the running
+    statistics of norm layers (BatchNorm's kernel updates them without moving it)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.changed: list[torch.Tensor] = []
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        versions = [(buffer, buffer._version) for buffer in self.module.buffers()]
+        yield
+        self.changed = [buffer for buffer, version in versions if buffer._version != version]
+        for module in self.module.modules():
+            if isinstance(module, _NormBase) and module.track_running_stats:
+                self.changed += [b for b in module.buffers(recurse=False) if all(b is not c for c in self.changed)]
+
+    @contextlib.contextmanager
+    def recompute(self) -> Iterator[None]:
+        kept = [(buffer, buffer.clone()) for buffer in self.changed]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, value in kept:
+                    buffer.copy_(value)
 
 
 def _check_replayable(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
