@@ -276,7 +276,9 @@ def weighted_step(rank, world_size, store_path, results):
         torch.manual_seed(0)
         model = torch.nn.Linear(3, 1)
         user = types.SimpleNamespace(step=lambda m, b: token_sum(m, b), shard_units=None)
-        cfg = types.SimpleNamespace(strategy="ddp", amp="off", compile=False, clip_grad=0.0)
+        cfg = types.SimpleNamespace(
+            strategy="ddp", amp="off", compile=False, clip_grad=0.0, activation_checkpointing="off"
+        )
         wrapped = parallel.DistributedModel(model, cfg, env, user)
         wrapped.wrap(resumed=True)  # a resumed job: one settling pass runs first, its gradients thrown away
         optimizer = torch.optim.SGD([model.weight], lr=1.0)  # the bias is not the optimizer's: still cleared

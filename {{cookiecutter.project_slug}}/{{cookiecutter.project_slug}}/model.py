@@ -9,7 +9,8 @@
 - `shard_units(model)` (optional, used with `--strategy fsdp`) returns the submodules to shard one by one: each
   gathers its full parameters only while it runs, so the fewer parameters one unit holds, the less memory a rank
   needs (typically: each transformer block). Without it, each direct child that has parameters is one unit, and
-  a container without forward (`nn.ModuleList`) gives its children.
+  a container without forward (`nn.ModuleList`) gives its children. `--activation-checkpointing` recomputes the
+  same units in backward (under ddp too).
 
 To fine-tune, `pretrained_weights(cfg)` (optional) returns where the starting weights are (a `.safetensors` file,
 a Hugging Face model folder, a `.pt` state dict; None: none): a run with no snapshot starts from them.
@@ -26,16 +27,16 @@ from torch import nn
 
 
 class MLP(nn.Module):
-    """A small classifier for the demo data: `depth` hidden layers of `width` units, with dropout."""
+    """A small classifier for the demo data: `depth` blocks (a hidden layer of `width` units, GELU, dropout), then
+    the output layer."""
 
     def __init__(self, in_features: int, classes: int, width: int = 256, depth: int = 3, dropout: float = 0.1):
         super().__init__()
-        layers, features = [], in_features
+        blocks, features = [], in_features
         for _ in range(depth):
-            layers += [nn.Linear(features, width), nn.GELU(), nn.Dropout(dropout)]
+            blocks.append(nn.Sequential(nn.Linear(features, width), nn.GELU(), nn.Dropout(dropout)))
             features = width
-        layers.append(nn.Linear(features, classes))
-        self.net = nn.Sequential(*layers)
+        self.net = nn.Sequential(*blocks, nn.Linear(features, classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -46,7 +47,8 @@ def build_model(cfg, train_dataset) -> nn.Module:
 
 
 def shard_units(model: MLP) -> list[nn.Module]:
-    return [layer for layer in model.net if isinstance(layer, nn.Linear)]
+    """Each block and the output layer (also what --activation-checkpointing recomputes)."""
+    return list(model.net)
 
 
 def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ Your rooms are one level up: model.py, data.py and config.py (the seam: machiner
     batches.py      progress, run length in samples, map-style data one optimizer step at a time
     stream.py       streaming data (IterableDataset): each rank's share, resumable
     parallel.py     the model across the ranks: DDP or FSDP2, mixed precision, torch.compile
+    checkpointing.py --activation-checkpointing: the units recompute their forward in backward
     step.py         one optimizer step: forward/backward over micro-batches, the loss reduction, clip, step
     optim.py        the default optimizer and learning-rate schedule, and how they resume
     evaluate.py     exact evaluation over every rank, at --eval-every; the best weights exported

@@ -1,4 +1,5 @@
-"""The model across the ranks: DDP (--strategy ddp) or FSDP2 (--strategy fsdp), mixed precision, torch.compile.
+"""The model across the ranks: DDP (--strategy ddp) or FSDP2 (--strategy fsdp), mixed precision, torch.compile,
+activation checkpointing (checkpointing.py) applied to the units first.
 
 Snapshots and exports always use the unwrapped model (`DistributedModel.model`): its own state_dict, no
 `module.` prefix.
@@ -15,6 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from . import checkpointing
 from .distributed import DistEnv
 from .hooks import UserCode
 from .settings import RunError, flag
@@ -66,8 +68,11 @@ class DistributedModel:
         self.model, self.cfg, self.env, self.user = model, cfg, env, user
         self.sharded = cfg.strategy == "fsdp"
         self.amp_dtype = AMP_DTYPES[cfg.amp]
+        units = self.units() if self.sharded or cfg.activation_checkpointing != "off" else []
+        # Before fully_shard, DDP and torch.compile: they see modules whose forward recomputes in backward
+        self.recomputed = checkpointing.apply(model, units, cfg.activation_checkpointing, env.is_main)
         if self.sharded:
-            self._shard()  # before the optimizer is built: it must hold the sharded parameters
+            self._shard(units)  # before the optimizer is built: it must hold the sharded parameters
         self.distributed: nn.Module = model  # what forward runs through: DDP's wrapper, or the (sharded) model
         self.for_steps: nn.Module = model  # the same, compiled when --compile
         self._settle_pending = False
@@ -131,7 +136,7 @@ class DistributedModel:
             dist.all_reduce(parameter.grad)
             parameter.grad.div_(self.env.world_size)
 
-    def _shard(self) -> None:
+    def _shard(self, units: list[list[nn.Module]]) -> None:
         """FSDP2: fully_shard each unit (model.py's shard_units(model), else default_shard_units), then the root.
         Mixed precision (--amp bf16) is FSDP's: bf16 compute, fp32 gradient reduction. A 0-d parameter (CLIP's
         logit_scale), which fully_shard cannot cut, stays whole on every rank, as under ddp (`wrap`)."""
@@ -146,17 +151,7 @@ class DistributedModel:
             param_dtype=self.amp_dtype, reduce_dtype=torch.float32 if self.amp_dtype else None
         )
         whole = set(scalar_parameters(self.model))
-        shard_units = self.user.shard_units or default_shard_units
-        for unit in shard_units(self.model):
-            modules = list(unit) if isinstance(unit, (list, tuple)) else [unit]
-            for module in modules:
-                if not isinstance(module, nn.Module) or isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-                    what = type(module).__name__
-                    raise RunError(
-                        f"shard_units in model.py returned a {what} as a unit: return submodules with a forward, or "
-                        "lists of them (each list sharded as one unit); for a ModuleList or ModuleDict, name its "
-                        "children"
-                    )
+        for modules in units:
             try:
                 fully_shard(modules if len(modules) > 1 else modules[0], mp_policy=policy, ignored_params=whole)
             except ValueError as exc:
@@ -168,3 +163,21 @@ class DistributedModel:
                     "root shards it)"
                 ) from None
         fully_shard(self.model, mp_policy=policy, ignored_params=whole)
+
+    def units(self) -> list[list[nn.Module]]:
+        """The model's units, each as a list of modules: model.py's shard_units(model), else default_shard_units.
+        fsdp shards each on its own; --activation-checkpointing recomputes them."""
+        shard_units = self.user.shard_units or default_shard_units
+        units = []
+        for unit in shard_units(self.model):
+            modules = list(unit) if isinstance(unit, (list, tuple)) else [unit]
+            for module in modules:
+                if not isinstance(module, nn.Module) or isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+                    what = type(module).__name__
+                    raise RunError(
+                        f"shard_units in model.py returned a {what} as a unit: return submodules with a forward, or "
+                        "lists of them (each list sharded as one unit); for a ModuleList or ModuleDict, name its "
+                        "children"
+                    )
+            units.append(modules)
+        return units

@@ -19,6 +19,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 BACKENDS = ("auto", "nccl", "gloo")
 STRATEGIES = ("ddp", "fsdp")
 RESUME_MODES = ("auto", "never")
+CHECKPOINTING_MODES = ("off", "full", "selective")  # machinery/checkpointing.py's
 START_AFRESH = "start from scratch with --resume never (what the folder holds is moved aside)"
 
 
@@ -41,6 +42,15 @@ class TrainingSettings:
         "ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer state are sharded across "
         "the ranks (FSDP2), for a model that does not fit one device (needs torchrun)",
         choices=STRATEGIES,
+    )
+    activation_checkpointing: str = option(
+        "off",
+        "recompute activations in backward instead of keeping them from forward, unit by unit (model.py's "
+        "shard_units, else each child with parameters), under ddp and fsdp: full = every unit (least memory, about "
+        "one more forward per step), selective = every second unit (the 2nd, 4th, ...: about half of each); the "
+        "same weights as off. A model without units is refused; so is a unit given an object it may change, such "
+        "as a Hugging Face cache (use_cache=False)",
+        choices=CHECKPOINTING_MODES,
     )
     seed: int = option(1337, "seed for weights, data order and every rank's random streams", min=0, max=2**32 - 1)
     num_workers: int = option(0, "DataLoader worker processes per rank", min=0, max=256)
