@@ -325,9 +325,6 @@ def test_one_job_per_prefix_and_a_dead_jobs_lock_is_taken_over(bucket, monkeypat
     finally:
         holder.kill()
         holder.wait()
-    with pytest.raises(SnapshotError, match="held by another running job"):  # its last heartbeat is recent
-        Snapshots(url, DistEnv(), keep=2).prepare(estimated_bytes=1)
-    time.sleep(8.5)
-    snapshots = Snapshots(url, DistEnv(), keep=2)
+    snapshots = Snapshots(url, DistEnv(), keep=2)  # its process is gone from this machine: taken at once
     snapshots.prepare(estimated_bytes=1)
     snapshots.close()

@@ -246,9 +246,15 @@ class Store:
             size = _retried(lambda n=name: self.fs.info(self.path(step_name(step), n))["size"], f"checking {name}")
             if size != entry["size"]:
                 raise SnapshotError(f"{self.where(step_name(step), name)} is {size} bytes, not {entry['size']}")
-        if self.lock is not None and self.lock.lost:
-            raise SnapshotError(f"not committing {self.where(step_name(step))}: {self.lock.lost}")
+        self.confirm_lock(f"not committing {self.where(step_name(step))}")
         self.put_json(f"{step_name(step)}/{MANIFEST}", manifest)
+
+    def confirm_lock(self, what: str) -> None:
+        """Rank 0, before it writes a snapshot: renew the prefix's lock; SnapshotError (`what`, and why) where another
+        job took it over (storelock.py)."""
+        if self.lock is not None:
+            lock = self.lock
+            _retried(lambda: lock.confirm(what), f"renewing {lock.where}")
 
     def prune(self, keep: int) -> None:
         """Keep the newest `keep` snapshots and those whose frozen parameters a kept one refers to."""
@@ -361,6 +367,7 @@ class Uploader:
 
     def _upload(self, step: int) -> None:
         folder = os.path.join(self.store.local, step_name(step))
+        self.store.confirm_lock(f"not uploading {self.store.where(step_name(step))}")
         receipt = read_receipt(folder, self.rank)
         for name, entry in receipt["files"].items():
             self.store.upload(os.path.join(folder, name), f"{step_name(step)}/{name}", entry)
