@@ -13,7 +13,18 @@ import time
 import pytest
 import test_store
 import torch
-from conftest import QUICK, ROOT, child_env, finish, logged_steps, outputs, start, train_cmd, wait_for
+from conftest import (
+    QUICK,
+    ROOT,
+    child_env,
+    finish,
+    logged_steps,
+    outputs,
+    start,
+    train_cmd,
+    wait_for,
+    worker_pids,
+)
 from test_store import HOLDER, needs_s3, store
 
 import train
@@ -35,17 +46,20 @@ def snapshot_objects(bucket_name):
 
 @needs_s3
 def test_a_job_frozen_past_its_lease_and_taken_over_writes_nothing_more_when_it_wakes(tmp_path, bucket, monkeypatch):
-    """A training job stopped (SIGSTOP) past STORE_LOCK_STALE_S loses the prefix to another job, which commits its
-    own snapshots there. Woken, the first job uploads and commits nothing: it stops with one ERROR line naming the
-    job that holds the prefix, and the other job's snapshots are as it wrote them."""
+    """A training job of two ranks stopped (SIGSTOP) past STORE_LOCK_STALE_S loses the prefix to another job, which
+    commits its own snapshots there. Woken, the first job uploads and commits nothing from any rank: it stops with
+    one ERROR line naming the job that holds the prefix, and the other job's snapshots are as it wrote them."""
     monkeypatch.setenv("STORE_LOCK_STALE_S", "3")
-    url, lock = f"s3://{bucket}/run", f"{bucket}/run/job.lock"
+    url = f"s3://{bucket}/run"
     args = QUICK + ["--max-steps", "20", "--snapshot-every", "10", "--eval-every", "0", "--keep-snapshots", "10"]
-    frozen, pid = start(train_cmd() + args + outputs(tmp_path)[2:] + ["--snapshot-dir", url], env=child_env()), 0
+    env = child_env(WARM_START_POOL="")  # plain torchrun: the ranks are its children, for SIGSTOP
+    frozen, ranks = start(train_cmd(2) + args + outputs(tmp_path)[2:] + ["--snapshot-dir", url], env=env), []
     try:
         wait_for(lambda: logged_steps(tmp_path), timeout=120, interval=0.002, what="the first job's first step")
-        pid = json.loads(store().cat_file(lock))["pid"]
-        os.kill(pid, signal.SIGSTOP)
+        ranks = list(worker_pids(frozen.pid).values())
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        assert len(ranks) == 2, ranks
         (tmp_path / "taker").mkdir()  # where the other job stages its uploads: as on another machine
         monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "taker"))
         taker = Snapshots(url, DistEnv(), keep=10)
@@ -54,20 +68,20 @@ def test_a_job_frozen_past_its_lease_and_taken_over_writes_nothing_more_when_it_
             for step in (10, 20):
                 taker.save(step, state(step), {}, blocking=True)
             written = snapshot_objects(bucket)
-            os.kill(pid, signal.SIGCONT)
+            for pid in ranks:
+                os.kill(pid, signal.SIGCONT)
             code, out = finish(frozen, timeout=120)
             assert snapshot_objects(bucket) == written
         finally:
             taker.close()
     finally:
-        for process in (pid, frozen.pid) if pid else (frozen.pid,):  # the job, and its warm start's stand-in
+        for pid in ranks + [frozen.pid]:  # the ranks, and the agent's stand-in
             with contextlib.suppress(ProcessLookupError):
-                os.kill(process, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
         frozen.wait()
     assert code != 0, out[-3000:]
     errors = [line for line in out.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and f"pid {os.getpid()}" in errors[0], errors
-    assert "Traceback" not in out
     assert torch.equal(load_latest(url)["model"]["w"], state(20)["model"]["w"])
 
 

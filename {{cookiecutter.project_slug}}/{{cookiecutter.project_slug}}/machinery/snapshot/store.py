@@ -36,7 +36,7 @@ from .format import (
     step_of_folder,
     stream_entry,
 )
-from .storelock import StoreLock
+from .storelock import LOCK_OBJECT, StoreLock, held_by
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ class Store:
         self.fs, self.root = connect(self.url)
         self.local = staging_folder(self.url, rank)
         self.lock: StoreLock | None = None
+        self.lock_owner = ""  # on the other ranks: rank 0's lock's owner token (storelock.py)
 
     def path(self, *names: str) -> str:
         return "/".join([self.root, *names])
@@ -249,12 +250,16 @@ class Store:
         self.confirm_lock(f"not committing {self.where(step_name(step))}")
         self.put_json(f"{step_name(step)}/{MANIFEST}", manifest)
 
-    def confirm_lock(self, what: str) -> None:
-        """Rank 0, before it writes a snapshot: renew the prefix's lock; SnapshotError (`what`, and why) where another
-        job took it over (storelock.py)."""
+    def confirm_lock(self, what: str) -> bool:
+        """Before this rank writes a snapshot's objects, whether the job still holds the prefix (storelock.py): rank 0
+        renews its lock, and raises SnapshotError (`what`, and why) where another job took it over; another rank
+        checks that it is still rank 0's (False where it is not: rank 0 says so)."""
         if self.lock is not None:
             lock = self.lock
             _retried(lambda: lock.confirm(what), f"renewing {lock.where}")
+        elif self.lock_owner:
+            return _retried(lambda: held_by(self, self.lock_owner), f"reading {self.where(LOCK_OBJECT)}")
+        return True
 
     def prune(self, keep: int) -> None:
         """Keep the newest `keep` snapshots and those whose frozen parameters a kept one refers to."""
@@ -367,7 +372,10 @@ class Uploader:
 
     def _upload(self, step: int) -> None:
         folder = os.path.join(self.store.local, step_name(step))
-        self.store.confirm_lock(f"not uploading {self.store.where(step_name(step))}")
+        if not self.store.confirm_lock(f"not uploading {self.store.where(step_name(step))}"):
+            log.debug("not uploading %s: another job holds the prefix", self.store.where(step_name(step)))
+            shutil.rmtree(folder, ignore_errors=True)
+            return
         receipt = read_receipt(folder, self.rank)
         for name, entry in receipt["files"].items():
             self.store.upload(os.path.join(folder, name), f"{step_name(step)}/{name}", entry)

@@ -9,11 +9,11 @@ A job that finds the lock of another:
   than STORE_LOCK_STALE_S (environment, default 60 s) by the store's clock is gone, and the job takes it over (a
   conditional write, so of two jobs taking it one wins), after saying once how long it waits.
 
-A holder checks that the lock is still its own at every renewal and before each upload and commit: a job that lost
-it (frozen past its lease and taken over meanwhile) uploads and commits nothing more, and its next save fails,
-naming the job that holds it. A lock deleted while its lease runs (a lifecycle rule, a user) is made again; one
-deleted after this job's lease may have lapsed is as good as lost: another job may have taken it and let it go.
-Other stores than S3 (no conditional write there) remove and re-create it.
+Rank 0 renews the lock before each upload and commit, and the other ranks check that it is still rank 0's before
+theirs: a job that lost it (frozen past its lease and taken over meanwhile) uploads and commits nothing more, and
+its next save fails on rank 0, naming the job that holds it. A lock deleted while its lease runs (a lifecycle rule,
+a user) is made again; one deleted after this job's lease may have lapsed is as good as lost: another job may have
+taken it and let it go. Other stores than S3 (no conditional write there) remove and re-create it.
 """
 
 import json
@@ -54,6 +54,17 @@ def describe(holder: dict) -> str:
     host, pid = (short_repr(holder.get(key), quote=False, limit=80) for key in ("host", "pid"))
     job = f", torchrun job {short_repr(holder['job'], quote=False, limit=80)}" if holder.get("job") else ""
     return f"host {host}, pid {pid}{job}"
+
+
+def held_by(store, owner: str) -> bool:
+    """Whether the prefix's lock is still `owner`'s, as a rank other than 0 sees it: False once another job holds
+    it. A missing or unreadable one is still its job's: its rank 0 makes it again, or stops."""
+    store.fs.invalidate_cache()
+    try:
+        holder = json.loads(store.fs.cat_file(store.path(LOCK_OBJECT)))
+    except (FileNotFoundError, ValueError):
+        return True
+    return not isinstance(holder, dict) or holder.get("owner") == owner
 
 
 class Conflict(Exception):
@@ -232,6 +243,8 @@ class StoreLock:
                     holder, etag = {}, None
                 if etag is not None and holder.get("owner") != self.owner:
                     self._lose(f"another job took {self.where} over ({describe(holder)})")
+                # Another job judges the lease by the store's clock, which may run ahead of this machine's: a
+                # renewal interval of margin.
                 if etag is None and time.monotonic() - self._renewed >= self.stale_s * 5 / 6:
                     self._lose(
                         f"{self.where} was deleted while this job had not renewed it for "
