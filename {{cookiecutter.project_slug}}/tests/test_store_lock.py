@@ -112,24 +112,22 @@ def test_a_deleted_lock_is_made_again_by_its_holder_or_lost_to_the_job_that_took
 
 @needs_s3
 def test_a_lock_is_taken_at_once_from_a_killed_job_of_this_machine_and_refused_to_a_live_one(
-    tmp_path, bucket, monkeypatch, capfd
+    tmp_path, bucket, monkeypatch
 ):
-    """A live holder, past its first lease: a job on the prefix stops at start-up with one line naming it.
-    SIGKILLed: the same command run again on this machine takes the lock at once, not after STORE_LOCK_STALE_S."""
+    """A live holder, past its first lease: a job on the prefix stops at start-up with one line naming it, however
+    often torchrun restarts it. SIGKILLed: the same command run again on this machine takes the lock at once, not
+    after STORE_LOCK_STALE_S."""
     monkeypatch.setenv("STORE_LOCK_STALE_S", "4")  # renewed every 0.7 s: a live holder is seen in about a second
     url = f"s3://{bucket}/run"
     holder = start([sys.executable, "-c", HOLDER.format(root=str(ROOT), url=url)], env=child_env())
     try:
         assert holder.stdout.readline().strip() == "holding"
         time.sleep(4.5)  # its renewals, not its first write, keep the lock
-        capfd.readouterr()
-        with pytest.raises(SystemExit) as stopped:
-            train.main(QUICK + ["--max-steps", "2"] + outputs(tmp_path)[2:] + ["--snapshot-dir", url])
-        assert stopped.value.code == 2
-        err = capfd.readouterr().err
-        errors = [line for line in err.splitlines() if " ERROR " in line]
-        assert len(errors) == 1 and f"pid {holder.pid}" in errors[0], errors
-        assert "Traceback" not in err
+        cmd = train_cmd(1, ["--max-restarts=2"]) + QUICK + ["--max-steps", "2"] + outputs(tmp_path)[2:]
+        code, out = finish(start(cmd + ["--snapshot-dir", url]), timeout=180)
+        assert code != 0
+        errors = [line for line in out.splitlines() if " ERROR " in line]
+        assert len(errors) == 1 and f"pid {holder.pid}" in errors[0], out[-3000:]
     finally:
         holder.kill()
         holder.wait()
