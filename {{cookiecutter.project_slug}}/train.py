@@ -91,9 +91,9 @@ def run(cfg: config.Config) -> Summary:
     except config.RunError as exc:
         # Every rank meets the same problem: rank 0 says it, in one line, and each rank exits with code 2. torchrun
         # restarts any failed attempt: one that meets the same problem again does not say it again.
-        line = faults.message(exc)
-        said = env.is_main and not faults.refused_before(line)
-        log.log(logging.ERROR if said else logging.DEBUG, "%s", line)
+        problem = faults.message(exc)
+        says = env.is_main and not faults.refused_before(problem)
+        log.log(logging.ERROR if says else logging.DEBUG, "%s", problem)
         if env.is_main:
             record_cause(exc)
         raise SystemExit(2) from None
