@@ -51,7 +51,7 @@ def test_a_job_frozen_past_its_lease_and_taken_over_writes_nothing_more_when_it_
     one ERROR line naming the job that holds the prefix, and the other job's snapshots are as it wrote them."""
     monkeypatch.setenv("STORE_LOCK_STALE_S", "3")
     url = f"s3://{bucket}/run"
-    args = QUICK + ["--max-steps", "20", "--snapshot-every", "10", "--eval-every", "0", "--keep-snapshots", "10"]
+    args = QUICK + ["--max-steps", "40", "--snapshot-every", "10", "--eval-every", "0", "--keep-snapshots", "10"]
     env = child_env(WARM_START_POOL="")  # plain torchrun: the ranks are its children, for SIGSTOP
     frozen, ranks = start(train_cmd(2) + args + outputs(tmp_path)[2:] + ["--snapshot-dir", url], env=env), []
     try:
@@ -65,7 +65,7 @@ def test_a_job_frozen_past_its_lease_and_taken_over_writes_nothing_more_when_it_
         taker = Snapshots(url, DistEnv(), keep=10)
         taker.prepare(estimated_bytes=1)  # once the frozen job's lease has lapsed
         try:
-            for step in (10, 20):
+            for step in (10, 20, 30, 40):
                 taker.save(step, state(step), {}, blocking=True)
             written = snapshot_objects(bucket)
             for pid in ranks:
@@ -82,7 +82,7 @@ def test_a_job_frozen_past_its_lease_and_taken_over_writes_nothing_more_when_it_
     assert code != 0, out[-3000:]
     errors = [line for line in out.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and f"pid {os.getpid()}" in errors[0], errors
-    assert torch.equal(load_latest(url)["model"]["w"], state(20)["model"]["w"])
+    assert torch.equal(load_latest(url)["model"]["w"], state(40)["model"]["w"])
 
 
 @needs_s3
