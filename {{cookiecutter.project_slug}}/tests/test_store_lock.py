@@ -25,13 +25,20 @@ from conftest import (
     wait_for,
     worker_pids,
 )
-from test_store import HOLDER, needs_s3, store
+from test_store import HOLDER, needs_s3
 
 import train
 from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
 from {{ cookiecutter.project_slug }}.machinery.snapshot import SnapshotError, Snapshots, load_latest, step_name
 
 s3_server, bucket = test_store.s3_server, test_store.bucket  # moto's S3 server and a new bucket on it, as fixtures
+
+
+def store():
+    """A client of this module's S3 server (s3fs's cached one may point at the server of tests/test_store.py)."""
+    import s3fs
+
+    return s3fs.S3FileSystem(skip_instance_cache=True)
 
 
 def state(step):
