@@ -89,8 +89,11 @@ def run(cfg: config.Config) -> Summary:
         failed_here(env, faults.message(exc))
         raise SystemExit(2) from None
     except config.RunError as exc:
-        # Every rank meets the same problem: rank 0 says it, in one line, and each rank exits with code 2.
-        log.log(logging.ERROR if env.is_main else logging.DEBUG, "%s", faults.message(exc))
+        # Every rank meets the same problem: rank 0 says it, in one line, and each rank exits with code 2. torchrun
+        # restarts any failed attempt: one that meets the same problem again does not say it again.
+        problem = faults.message(exc)
+        says = env.is_main and not faults.refused_before(problem)
+        log.log(logging.ERROR if says else logging.DEBUG, "%s", problem)
         if env.is_main:
             record_cause(exc)
         raise SystemExit(2) from None

@@ -23,6 +23,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1]  # model.py, data.py, config.p
 MACHINERY_DIR = Path(__file__).resolve().parent
 NOTICE_TIMEOUT = datetime.timedelta(seconds=2)
 NOTICE_WAIT_S = 0.1  # how long a rank that lost a peer looks for the peer's notice in the store
+REFUSAL_KEY = "ddp_template/refused"  # the start-up refusal of the job's last attempt (refused_before)
 _FRAME = re.compile(
     r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)\n(?:\s{4,}(?P<code>\S.*))?', re.M
 )
@@ -125,6 +126,19 @@ def _store():
         return dist.TCPStore(host, port, is_master=False, timeout=NOTICE_TIMEOUT)
     except (RuntimeError, ValueError, OSError):
         return None
+
+
+def refused_before(line: str) -> bool:
+    """Whether an earlier attempt of this torchrun job stopped at start-up with this same line (rank 0's, kept in
+    the job's store, which outlives the attempts); else keep it there for the next attempt."""
+    store = _store()
+    if store is None:
+        return False
+    with contextlib.suppress(RuntimeError, ValueError, OSError):
+        if store.check([REFUSAL_KEY]) and store.get(REFUSAL_KEY).decode(errors="replace") == line:
+            return True
+        store.set(REFUSAL_KEY, line)
+    return False
 
 
 def announce(line: str, rank: int) -> int | None:

@@ -27,6 +27,7 @@ from .format import (
     write_json_atomic,
 )
 from .store import Store, Uploader
+from .storelock import StoreLock
 
 log = logging.getLogger(__name__)
 DAMAGED_ADVICE = "Move the snapshots away to start from scratch, or point --snapshot-dir elsewhere."
@@ -102,9 +103,10 @@ class SnapshotFolder:
         """Rank 0 takes the store's prefix (store.Store.open); every rank starts an empty staging folder."""
         store = cast(Store, self.store)
 
-        def take() -> None:
+        def take() -> str:
             try:
                 store.open(self.job, fresh_start)
+                return cast(StoreLock, store.lock).owner
             except SnapshotError:
                 raise
             except joblock.JobLockError as exc:
@@ -112,8 +114,9 @@ class SnapshotFolder:
             except Exception as exc:  # the store's own error
                 raise SnapshotError(f"cannot use the store {store.url}: {first_line(exc)}") from exc
 
-        distributed.decided_on_rank_0(self.env, take, SnapshotError)
+        owner = distributed.decided_on_rank_0(self.env, take, SnapshotError)
         if not self.env.is_main:  # rank 0's was emptied once it held the lock
+            store.lock_owner = owner
             shutil.rmtree(self.directory, ignore_errors=True)
             os.makedirs(self.directory)
         self.uploads = Uploader(store, self.env.rank, self.keep, self.commit_timeout)

@@ -36,7 +36,7 @@ from .format import (
     step_of_folder,
     stream_entry,
 )
-from .storelock import StoreLock
+from .storelock import LOCK_OBJECT, StoreLock, held_by
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ class Store:
         self.fs, self.root = connect(self.url)
         self.local = staging_folder(self.url, rank)
         self.lock: StoreLock | None = None
+        self.lock_owner = ""  # on the other ranks: rank 0's lock's owner token (storelock.py)
 
     def path(self, *names: str) -> str:
         return "/".join([self.root, *names])
@@ -246,9 +247,19 @@ class Store:
             size = _retried(lambda n=name: self.fs.info(self.path(step_name(step), n))["size"], f"checking {name}")
             if size != entry["size"]:
                 raise SnapshotError(f"{self.where(step_name(step), name)} is {size} bytes, not {entry['size']}")
-        if self.lock is not None and self.lock.lost:
-            raise SnapshotError(f"not committing {self.where(step_name(step))}: {self.lock.lost}")
+        self.confirm_lock(f"not committing {self.where(step_name(step))}")
         self.put_json(f"{step_name(step)}/{MANIFEST}", manifest)
+
+    def confirm_lock(self, what: str) -> bool:
+        """Before this rank writes a snapshot's objects, whether the job still holds the prefix (storelock.py): rank 0
+        renews its lock, and raises SnapshotError (`what`, and why) where another job took it over; another rank
+        checks that it is still rank 0's (False where it is not: rank 0 says so)."""
+        if self.lock is not None:
+            lock = self.lock
+            _retried(lambda: lock.confirm(what), f"renewing {lock.where}")
+        elif self.lock_owner:
+            return _retried(lambda: held_by(self, self.lock_owner), f"reading {self.where(LOCK_OBJECT)}")
+        return True
 
     def prune(self, keep: int) -> None:
         """Keep the newest `keep` snapshots and those whose frozen parameters a kept one refers to."""
@@ -361,6 +372,10 @@ class Uploader:
 
     def _upload(self, step: int) -> None:
         folder = os.path.join(self.store.local, step_name(step))
+        if not self.store.confirm_lock(f"not uploading {self.store.where(step_name(step))}"):
+            log.debug("not uploading %s: another job holds the prefix", self.store.where(step_name(step)))
+            shutil.rmtree(folder, ignore_errors=True)
+            return
         receipt = read_receipt(folder, self.rank)
         for name, entry in receipt["files"].items():
             self.store.upload(os.path.join(folder, name), f"{step_name(step)}/{name}", entry)
