@@ -6,12 +6,14 @@ import io
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,6 +108,20 @@ def test_a_missing_store_package_names_the_extra_to_install(tmp_path, capfd):
     assert stopped.value.code == 2
     assert "'.[gcs]'" in capfd.readouterr().err  # what to install
     assert not (tmp_path.parent / "gs:").exists() and not os.path.exists("gs:")
+
+
+@pytest.mark.parametrize("url", ["s3:/bkt/x", "s3:bkt/x", "S3://bkt/x", "s3://bkt//x", "s3://bkt/x//y/"])
+def test_a_store_url_spelled_two_ways_or_as_a_folder_is_refused(tmp_path, url, capfd):
+    """One spelling per prefix: a URL the store would take as another prefix (//), one in capitals, and one that
+    would be a local folder (a slash missing) are refused at start-up in one line naming it."""
+    with pytest.raises(SystemExit) as stopped:
+        train.main(QUICK + ["--max-steps", "2"] + outputs(tmp_path)[2:] + ["--export-dir", url])
+    assert stopped.value.code == 2
+    errors = [line for line in capfd.readouterr().err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and url in errors[0] and "--export-dir" in errors[0], errors
+    with pytest.raises(SnapshotError, match=re.escape(url)):
+        load_latest(url)
+    assert not os.path.exists("s3:") and not (tmp_path / "s3:").exists()
 
 
 @needs_s3
@@ -210,11 +226,122 @@ def test_a_damaged_object_falls_back_to_the_previous_snapshot(bucket, damage):
         snapshots.close()
 
 
+def damage_puts(monkeypatch, suffix, times):
+    """s3fs PUTs the first `times` objects whose key ends in `suffix` with one byte flipped on the way."""
+    import s3fs
+
+    left = [times]
+
+    def flipped(data: bytes) -> bytes:
+        left[0] -= 1
+        damaged = bytearray(data)
+        damaged[len(damaged) // 2] ^= 0x10
+        return bytes(damaged)
+
+    put_file, pipe_file = s3fs.S3FileSystem._put_file, s3fs.S3FileSystem._pipe_file
+
+    async def damaged_put_file(self, lpath, rpath, *args, **kwargs):
+        if rpath.endswith(suffix) and left[0] > 0:
+            copy = f"{lpath}.damaged"
+            with open(lpath, "rb") as source, open(copy, "wb") as target:
+                target.write(flipped(source.read()))
+            lpath = copy
+        return await put_file(self, lpath, rpath, *args, **kwargs)
+
+    async def damaged_pipe_file(self, path, data, *args, **kwargs):
+        if path.endswith(suffix) and left[0] > 0:
+            data = flipped(data)
+        return await pipe_file(self, path, data, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_put_file", damaged_put_file)
+    monkeypatch.setattr(s3fs.S3FileSystem, "_pipe_file", damaged_pipe_file)
+    return left
+
+
+@needs_s3
+def test_a_manifest_damaged_on_its_way_to_the_store_is_written_again(bucket, monkeypatch):
+    """The commit marker is read back like every other object: a byte flipped in its PUT does not commit a damaged
+    snapshot (which every reader would skip for the one before); it is written again."""
+    url = f"s3://{bucket}/run"
+    left = damage_puts(monkeypatch, f"{step_name(20)}/manifest.json", times=1)
+    save_steps(url, [10, 20])
+    assert left == [0], "no manifest was damaged"
+    assert load_latest(url)["step"] == 20
+
+
 @needs_s3
 def test_keep_snapshots_prunes_on_the_store(bucket):
     save_steps(f"s3://{bucket}/run", [10, 20, 30, 40], keep=2)
     steps = {name.split("/")[2] for name in store().find(f"{bucket}/run") if "/step-" in name}
     assert steps == {step_name(30), step_name(40)}
+
+
+@needs_s3
+def test_a_fresh_start_moves_the_prefix_aside_and_an_interrupted_move_is_finished(bucket, monkeypatch):
+    """--resume never on a prefix another job's snapshots are in: every object is copied aside to
+    <prefix>.set-aside-<date>, checked, then removed. A job that ends half-way through leaves a record of the move
+    on the prefix; the next start finishes it before anything else: nothing is lost or left twice."""
+    import s3fs
+
+    url = f"s3://{bucket}/run"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    save_steps(url, [10, 20])
+    before = {name.split("/", 2)[2]: size for name, size in store().find(f"{bucket}/run", detail=True).items()}
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+    rm_file, removed = s3fs.S3FileSystem._rm_file, []
+
+    async def fails_after_one(self, path, **kwargs):  # the job ends once one original snapshot object is removed
+        if "/step-" in path:
+            if removed:
+                raise PermissionError(f"{path}: the job ended here")
+            removed.append(path)
+        return await rm_file(self, path, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_rm_file", fails_after_one)
+    with pytest.raises(SnapshotError, match="the job ended here"):
+        Snapshots(url, DistEnv(), keep=10).prepare(estimated_bytes=1, fresh_start=True)
+    assert removed[0].endswith("/manifest.json")  # the manifests go first: no half-removed snapshot is committed
+    monkeypatch.setattr(s3fs.S3FileSystem, "_rm_file", rm_file)
+    snapshots = Snapshots(url, DistEnv(), keep=10)  # a restart (--resume auto) finishes the move
+    snapshots.prepare(estimated_bytes=1)
+    try:
+        assert snapshots.resume() is None
+    finally:
+        snapshots.close()
+    (aside,) = [name for name in store().ls(bucket) if ".set-aside-" in name]
+    after = {name.split("/", 2)[2]: size for name, size in store().find(aside, detail=True).items()}
+    assert {name: info["size"] for name, info in after.items()} == {n: i["size"] for n, i in before.items()}
+    assert store().find(f"{bucket}/run") == []
+    assert load_latest(f"s3://{aside}")["step"] == 20
+
+
+@needs_s3
+def test_another_runs_export_on_the_store_moves_aside_and_comes_back(tmp_path, bucket):
+    """As in an export folder: a run exporting to a URL another run exported to first moves that run's files aside
+    to <url>.<its run id> (copied, checked, removed), and they come back when that run exports there again."""
+    from {{ cookiecutter.project_slug }}.machinery.outputs import ExportFolder
+
+    url = f"s3://{bucket}/export"
+
+    def export(run_id):
+        folder = ExportFolder(DistEnv(), url, run_id)
+        try:
+            (Path(folder.path) / "model.pt").write_bytes(f"weights of {run_id}".encode())
+            (Path(folder.path) / "hf").mkdir(exist_ok=True)
+            (Path(folder.path) / "hf" / "config.json").write_text(run_id)
+            folder.publish()
+        finally:
+            folder.close()
+
+    export("run-a")
+    export("run-b")
+    assert store().cat_file(f"{bucket}/export/model.pt") == b"weights of run-b"
+    assert store().cat_file(f"{bucket}/export.run-a/model.pt") == b"weights of run-a"
+    assert store().cat_file(f"{bucket}/export.run-a/hf/config.json") == b"run-a"
+    export("run-a")  # run-a again: its files come back, run-b's go aside
+    assert store().cat_file(f"{bucket}/export/model.pt") == b"weights of run-a"
+    assert store().cat_file(f"{bucket}/export.run-b/model.pt") == b"weights of run-b"
+    assert not store().exists(f"{bucket}/export.run-a/model.pt")
 
 
 class FlakyLink:

@@ -2,7 +2,7 @@
 
 A store has no rename and the ranks may share no filesystem: each rank writes its part to a local staging folder
 first, and `Uploader` uploads it in the background, each object read back and checked against the receipt, the
-receipt last; rank 0 writes the manifest once every rank's receipt and object is there. Layout as in a local
+receipt last; rank 0 writes the manifest once every rank's receipt and object is there, and reads it back too. Layout as in a local
 folder (__init__.py); one job per prefix (storelock.py).
 """
 
@@ -18,6 +18,7 @@ import threading
 import time
 
 from ..settings import first_line
+from ..storeurl import url_spelling_problem
 from .format import (
     MANIFEST,
     RUN_FILE,
@@ -35,8 +36,9 @@ from .format import (
     step_name,
     step_of_folder,
     stream_entry,
+    write_json_atomic,
 )
-from .storelock import StoreLock
+from .storelock import LOCK_OBJECT, StoreLock
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ CONNECT_TIMEOUT_S = 5.0
 ATTEMPTS = 12  # tries of one store call on connection errors and 5xx replies: backoff from 0.5 s to 30 s, ~3 min
 RUN_FILES = (RUN_FILE, "config.toml")  # kept with the snapshots
 STOP_RECORD = "stopped.json"  # stop.py's
+SET_ASIDE = "set-aside.json"  # {"to": the suffix of the prefix it goes to} while a fresh start moves the prefix aside
 
 
 def connect(url: str):
@@ -96,6 +99,15 @@ def read_beside(url: str, name: str) -> bytes | None:
         return None
 
 
+def _same_object(copy: dict | None, original: dict) -> bool:
+    """Whether the listed `copy` of an object is there at the original's size, with its ETag where both have a
+    plain one (a multipart upload's, with a "-", differs from its copy's)."""
+    if copy is None or copy.get("size") != original.get("size"):
+        return False
+    tags = [str(info.get("ETag") or "") for info in (copy, original)]
+    return not all(tag and "-" not in tag for tag in tags) or tags[0] == tags[1]
+
+
 def _retried(call, what: str):
     """call(), retried with backoff unless the store's answer is final (missing, forbidden, exists)."""
     delay = 0.5
@@ -116,6 +128,8 @@ class Store:
     """One job's prefix on a store, and this rank's local staging folder for it."""
 
     def __init__(self, url: str, rank: int):
+        if problem := url_spelling_problem(url):
+            raise SnapshotError(problem)
         self.url = url.rstrip("/")
         self.fs, self.root = connect(self.url)
         self.local = staging_folder(self.url, rank)
@@ -174,8 +188,57 @@ class Store:
             pass
 
     def put_json(self, name: str, obj) -> None:
-        data = json.dumps(obj, indent=1, sort_keys=True).encode()
-        _retried(lambda: self.fs.pipe_file(self.path(name), data), f"writing {self.where(name)}")
+        """Write a small JSON object, checked by reading it back as upload() checks a file."""
+        folder = tempfile.mkdtemp(prefix="store-json-")
+        try:
+            local = os.path.join(folder, "object.json")
+            entry = write_json_atomic(local, obj)
+            self.upload(local, name, entry)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def get_json(self, name: str):
+        """A JSON object of the prefix, or None where there is none or it is not JSON."""
+        try:
+            return json.loads(_retried(lambda: self.fs.cat_file(self.path(name)), f"reading {self.where(name)}"))
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def listing(self, root: str | None = None) -> dict[str, dict]:
+        """{name relative to `root` (by default this prefix): its info} of every object under it."""
+        root = root or self.root
+        self.fs.invalidate_cache()
+        found = _retried(lambda: self.fs.find(root, detail=True), f"listing {root}")
+        return {path[len(root) + 1 :]: info for path, info in found.items() if path.startswith(f"{root}/")}
+
+    def move(self, names: list[str], target: str, source: str | None = None) -> int:
+        """Move the objects named `names` (each a file, or a folder with all it holds) from the prefix `source` (by
+        default this one) to the prefix `target` of the same store: every object copied, the copies checked (each
+        there, at its size and, where the store gives one, the same ETag), and only then the originals removed, the
+        manifests first (a snapshot half removed is never loaded). Moving again after an interruption finishes the
+        move: an object already copied is not copied again. Returns how many objects moved."""
+        source = source or self.root
+        objects = {
+            name: info
+            for name, info in self.listing(source).items()
+            if any(name == top or name.startswith(f"{top}/") for top in names)
+        }
+        copied = self.listing(target)
+        for name, info in objects.items():
+            if not _same_object(copied.get(name), info):
+                src, dst = f"{source}/{name}", f"{target}/{name}"
+                _retried(lambda s=src, d=dst: self.fs.copy(s, d), f"copying {src} to {dst}")
+        copied = self.listing(target)
+        for name, info in objects.items():
+            if not _same_object(copied.get(name), info):
+                raise SnapshotError(f"copying {source}/{name} to {target}/{name}: the copy differs from it")
+        for name in sorted(objects, key=lambda name: not name.endswith(f"/{MANIFEST}")):
+            path = f"{source}/{name}"
+            try:
+                _retried(lambda p=path: self.fs.rm_file(p), f"removing {path}")
+            except FileNotFoundError:
+                pass
+        return len(objects)
 
     # -- the job's start-up (rank 0) ------------------------------------------------------------------------------
 
@@ -184,6 +247,7 @@ class Store:
         self.probe()
         self.lock = StoreLock(self, job)
         self.lock.acquire()
+        self._finish_set_aside()  # a fresh start's move aside that its job did not finish
         shutil.rmtree(self.local, ignore_errors=True)  # this rank's staging: no other job of this prefix uses it
         os.makedirs(self.local)
         for step in self.steps()[1]:
@@ -220,13 +284,30 @@ class Store:
         newest = self.read_manifest(committed[0])
         if job and newest is not None and newest["job"] == job:
             return  # a restart of this same job resumes
-        aside = f"{self.root}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
-        for name in [step_name(step) for step in committed] + list(RUN_FILES):
-            if self.fs.exists(self.path(name)):
-                move = lambda n=name: self.fs.mv(self.path(n), f"{aside}/{n}", recursive=True)  # noqa: E731
-                _retried(move, f"moving {name} aside")
+        suffix, number = f".set-aside-{time.strftime('%Y%m%d-%H%M%S')}", 1
+        while self.listing(f"{self.root}{suffix}"):
+            number += 1
+            suffix = f".set-aside-{time.strftime('%Y%m%d-%H%M%S')}-{number}"
+        self.put_json(SET_ASIDE, {"to": suffix, "newest": committed[0]})  # an interrupted move is finished later
+        self._finish_set_aside()
+
+    def _finish_set_aside(self) -> None:
+        """Move what the prefix holds (but its lock) aside as the record SET_ASIDE says: a fresh start's move,
+        or one a job that ended during it left half done. Copies first, checked, then the originals go (move())."""
+        record = self.get_json(SET_ASIDE)
+        if not isinstance(record, dict) or not isinstance(record.get("to"), str):
+            return
+        kept = (LOCK_OBJECT, SET_ASIDE)
+        names = sorted({name.split("/")[0] for name in self.listing()} - set(kept))
+        names = [name for name in names if not name.startswith((".probe-", ".clock-"))]
+        self.move(names, f"{self.root}{record['to']}")
+        self.remove(SET_ASIDE)
         log.warning(
-            "starting afresh: moved what %s held (snapshots up to step %d) aside to %s", self.url, committed[0], aside
+            "starting afresh: moved what %s held (snapshots up to step %s) aside to %s%s",
+            self.url,
+            record.get("newest"),
+            self.url,
+            record["to"],
         )
 
     def read_manifest(self, step: int) -> dict | None:
@@ -240,7 +321,9 @@ class Store:
             shutil.rmtree(folder, ignore_errors=True)
 
     def commit(self, step: int, manifest: dict) -> None:
-        """Write the manifest last, once every object it lists is on the store at its size."""
+        """Write the manifest last, once every object it lists is on the store at its size, and check it by reading
+        it back like every other object (rewritten until it reads back whole; removed, and the snapshot not counted,
+        when it never does)."""
         self.fs.invalidate_cache()
         for name, entry in manifest["files"].items():
             size = _retried(lambda n=name: self.fs.info(self.path(step_name(step), n))["size"], f"checking {name}")
@@ -248,7 +331,11 @@ class Store:
                 raise SnapshotError(f"{self.where(step_name(step), name)} is {size} bytes, not {entry['size']}")
         if self.lock is not None and self.lock.lost:
             raise SnapshotError(f"not committing {self.where(step_name(step))}: {self.lock.lost}")
-        self.put_json(f"{step_name(step)}/{MANIFEST}", manifest)
+        try:
+            self.put_json(f"{step_name(step)}/{MANIFEST}", manifest)
+        except BaseException:
+            self.remove(f"{step_name(step)}/{MANIFEST}")  # a damaged commit marker commits nothing
+            raise
 
     def prune(self, keep: int) -> None:
         """Keep the newest `keep` snapshots and those whose frozen parameters a kept one refers to."""
@@ -296,6 +383,8 @@ class Store:
 def load_latest(directory: str, rank: int | None = None) -> dict | None:
     """The newest snapshot whose files all check out, as load_latest_in_folder (format.py) gives it, of a folder or
     a store (downloaded to a temp folder, where it stays); None when there is none."""
+    if problem := url_spelling_problem(str(directory)):
+        raise SnapshotError(problem)
     if not URL.match(str(directory)):
         return load_latest_in_folder(directory, rank)
     store = Store(str(directory), 0)
