@@ -125,12 +125,26 @@ def test_a_store_url_spelled_two_ways_or_as_a_folder_is_refused(tmp_path, url, c
 
 
 @needs_s3
-@pytest.mark.parametrize("where, error", [("missing bucket", "bucket does not exist"), ("wrong endpoint", "connect")])
-def test_a_store_the_job_cannot_use_stops_it_at_start_up(tmp_path, bucket, monkeypatch, where, error, capfd):
-    """One line naming the URL and the store's own error, within seconds."""
+@pytest.mark.parametrize(
+    "where, error",
+    [
+        ("missing bucket", "bucket does not exist"),
+        ("wrong endpoint", "connect"),
+        ("silent endpoint", "timeout"),
+        ("credentials refused", "denied"),
+    ],
+)
+def test_a_store_the_job_cannot_use_stops_it_at_start_up(tmp_path, s3_server, bucket, monkeypatch, where, error, capfd):
+    """One line naming the URL and the store's own error, within seconds (an endpoint that never answers: within
+    STORE_TIMEOUT_S)."""
     url = f"s3://{bucket}-missing/run" if where == "missing bucket" else f"s3://{bucket}/run"
     if where == "wrong endpoint":
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    if where in ("silent endpoint", "credentials refused"):
+        link = FlakyLink(s3_server)
+        link.cut(True, "silent" if where == "silent endpoint" else "forbid")
+        monkeypatch.setenv("AWS_ENDPOINT_URL", link.endpoint)
+        monkeypatch.setenv("STORE_TIMEOUT_S", "6")
     started = time.monotonic()
     with pytest.raises(SystemExit) as stopped:
         train.main(QUICK + ["--max-steps", "2"] + outputs(tmp_path)[2:] + ["--snapshot-dir", url])
@@ -344,33 +358,70 @@ def test_another_runs_export_on_the_store_moves_aside_and_comes_back(tmp_path, b
     assert not store().exists(f"{bucket}/export.run-a/model.pt")
 
 
+FORBIDDEN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code><Message>Access Denied</Message>'
+    b"<RequestId>1</RequestId></Error>"
+)
+
+
 class FlakyLink:
-    """A TCP relay to the S3 server that can go down: while down it closes every connection, open or new."""
+    """A TCP relay to the S3 server (loopback only) that can go bad. `mode`: "relay"; "reset" closes every
+    connection, open or new, with a reset (a proxy before a dead store); "silent" accepts and never answers (a store
+    that hangs); "forbid" answers every request 403 AccessDenied (credentials refused)."""
 
     def __init__(self, endpoint, delay=0.0):
         self.target = int(endpoint.rsplit(":", 1)[1])
-        self.down = False
+        self.mode = "relay"
         self.delay = delay  # seconds before each chunk passes: a slow store
         self.open: list[socket.socket] = []
         self.server = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"http://127.0.0.1:{self.server.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def cut(self, down):
-        self.down = down
+    def cut(self, down, mode="reset"):
+        self.mode = mode if down else "relay"
         for conn in list(self.open) if down else []:
-            conn.close()
+            self._reset(conn)
+
+    @staticmethod
+    def _reset(conn):
+        try:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")  # close sends RST
+        except OSError:
+            pass
+        conn.close()
 
     def _accept(self):
         while True:
             conn, _ = self.server.accept()
-            if self.down:
-                conn.close()
-                continue
-            upstream = socket.create_connection(("127.0.0.1", self.target))
-            self.open += [conn, upstream]
-            for a, b in ((conn, upstream), (upstream, conn)):
-                threading.Thread(target=self._relay, args=(a, b), daemon=True).start()
+            if self.mode == "reset":
+                self._reset(conn)
+            elif self.mode == "silent":
+                self.open.append(conn)  # held open, never read nor answered
+            elif self.mode == "forbid":
+                threading.Thread(target=self._forbid, args=(conn,), daemon=True).start()
+            else:
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+                self.open += [conn, upstream]
+                for a, b in ((conn, upstream), (upstream, conn)):
+                    threading.Thread(target=self._relay, args=(a, b), daemon=True).start()
+
+    def _forbid(self, conn):
+        """Read one request (its body too, unless it waits for "100 Continue"), answer 403, close."""
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data and (chunk := conn.recv(1 << 16)):
+                data += chunk
+            head, _, body = data.partition(b"\r\n\r\n")
+            headers = dict(
+                line.split(":", 1) for line in head.decode("latin-1").lower().split("\r\n")[1:] if ":" in line
+            )
+            if "100-continue" not in headers.get("expect", ""):
+                length = int(headers.get("content-length", "0"))
+                while len(body) < length and (chunk := conn.recv(1 << 16)):
+                    body += chunk
+            reply = b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nConnection: close\r\n"
+            conn.sendall(reply + b"Content-Length: %d\r\n\r\n" % len(FORBIDDEN) + FORBIDDEN)
 
     def _relay(self, source, target):
         try:
@@ -426,6 +477,40 @@ def test_a_store_slower_than_the_snapshot_steps_gets_the_newest_snapshot_not_a_q
     assert load_latest(url)["step"] == 30
     warnings = [line for line in (tmp_path / "run.log").read_text().splitlines() if " WARNING " in line and url in line]
     assert len(warnings) == 1, warnings
+
+
+@needs_s3
+@pytest.mark.parametrize("mode, error", [("reset", "connect"), ("silent", "timeout"), ("forbid", "denied")])
+def test_a_store_gone_for_good_stops_the_saves_in_one_error_within_store_timeout(
+    s3_server, bucket, monkeypatch, caplog, capfd, mode, error
+):
+    """A store that resets every connection, never answers, or refuses the credentials after the first snapshot:
+    the next save fails within STORE_TIMEOUT_S, naming the URL and the store's error, with no traceback of the
+    client's own; closing does not hang either, and the committed snapshot stays loadable."""
+    monkeypatch.setenv("STORE_TIMEOUT_S", "4")
+    link = FlakyLink(s3_server)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", link.endpoint)
+    url = f"s3://{bucket}/run"
+    snapshots = Snapshots(url, DistEnv(), keep=10)
+    snapshots.prepare(estimated_bytes=1)
+    try:
+        snapshots.save(10, {"model": {"w": torch.full((64,), 10.0)}, "step": 10}, {}, blocking=True)
+        link.cut(True, mode)
+        started = time.monotonic()
+        snapshots.save(20, {"model": {"w": torch.full((64,), 20.0)}, "step": 20}, {})
+        with pytest.raises(SnapshotError) as failed:
+            snapshots.wait()
+        assert time.monotonic() - started < 4 + 3, "longer than STORE_TIMEOUT_S"
+    finally:
+        started = time.monotonic()
+        snapshots.close()
+    assert time.monotonic() - started < 4, "closing waited for the store"
+    message = str(failed.value)
+    assert "\n" not in message and f"{url}/{step_name(20)}" in message and error in message.lower(), message
+    logged = capfd.readouterr().err + "\n".join(record.getMessage() for record in caplog.records)
+    assert "Task exception was never retrieved" not in logged and "Traceback" not in logged
+    link.cut(False)
+    assert load_latest(url)["step"] == 10
 
 
 HOLDER = """

@@ -2,8 +2,9 @@
 
 A store has no rename and the ranks may share no filesystem: each rank writes its part to a local staging folder
 first, and `Uploader` uploads it in the background, each object read back and checked against the receipt, the
-receipt last; rank 0 writes the manifest once every rank's receipt and object is there, and reads it back too. Layout as in a local
-folder (__init__.py); one job per prefix (storelock.py).
+receipt last; rank 0 writes the manifest once every rank's receipt and object is there, and reads it back too.
+Layout as in a local folder (__init__.py); one job per prefix (storelock.py). Every call is bounded: retried for up
+to STORE_TIMEOUT_S (timeout_s), each request within a third of it.
 """
 
 import hashlib
@@ -44,10 +45,39 @@ log = logging.getLogger(__name__)
 
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
 CONNECT_TIMEOUT_S = 5.0
-ATTEMPTS = 12  # tries of one store call on connection errors and 5xx replies: backoff from 0.5 s to 30 s, ~3 min
+READ_TIMEOUT_S = 60.0  # one request's longest wait for the store's next bytes (botocore's default)
 RUN_FILES = (RUN_FILE, "config.toml")  # kept with the snapshots
 STOP_RECORD = "stopped.json"  # stop.py's
 SET_ASIDE = "set-aside.json"  # {"to": the suffix of the prefix it goes to} while a fresh start moves the prefix aside
+
+
+def timeout_s() -> float:
+    """How long a store call is retried (connection errors, timeouts, 5xx replies) before the run stops, naming the
+    URL and the store's error: STORE_TIMEOUT_S in the environment, default 180 s. One request waits at most a third
+    of it (and at most READ_TIMEOUT_S) for an answer."""
+    return float(os.environ.get("STORE_TIMEOUT_S", "180"))
+
+
+def _request_timeouts() -> tuple[float, float]:
+    """(connect, read) timeouts of one request: within a third of timeout_s() together."""
+    budget = max(timeout_s() / 3, 0.2)
+    connect = min(CONNECT_TIMEOUT_S, budget / 2)
+    return connect, min(READ_TIMEOUT_S, budget - connect)
+
+
+def _quiet_loop(fs) -> None:
+    """A store that resets connections leaves the client's background tasks failed with none to await them: asyncio
+    would print a traceback for each ("Task exception was never retrieved"). The call that failed says why, once."""
+    loop = getattr(fs, "loop", None)
+    if loop is not None:
+        loop.set_exception_handler(lambda _, context: log.debug("store client: %s", context.get("message")))
+
+
+def _no_expect_continue(params: dict, **_) -> None:
+    """botocore asks the store to accept a PUT before its body is sent (Expect: 100-continue), and the HTTP client
+    waits for that answer with no timeout: a store that never answers would hang every write. Sent without it, the
+    request's read timeout applies."""
+    params.get("headers", {}).pop("Expect", None)
 
 
 def connect(url: str):
@@ -65,13 +95,17 @@ def connect(url: str):
     options: dict = {"auto_mkdir": True} if protocol in ("file", "local") else {}
     for name in ("botocore", "aiobotocore"):  # "found credentials in environment variables" on every start
         logging.getLogger(name).setLevel(logging.WARNING)
-    if protocol in ("s3", "s3a"):  # fail fast on a wrong endpoint; Uploader retries what is worth retrying
-        config = {"connect_timeout": CONNECT_TIMEOUT_S, "retries": {"max_attempts": 2, "mode": "standard"}}
+    if protocol in ("s3", "s3a"):  # one try per call, each bounded: _retried retries, within timeout_s()
+        connect_timeout, read_timeout = _request_timeouts()
+        config = {"connect_timeout": connect_timeout, "read_timeout": read_timeout, "retries": {"max_attempts": 1}}
         options = {"config_kwargs": config}
     # a new client each time: one made before the environment changed (AWS_ENDPOINT_URL, ...) is not reused
     fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
     if "config_kwargs" in options:
-        fs.retries = 2  # s3fs's own retries (5 by default) would multiply _retried's
+        fs.retries = 1  # s3fs's own retries (5 by default) would multiply _retried's
+        fs.connect()  # the client, made now to change how it sends
+        fs.s3.meta.events.register_last("before-call.s3", _no_expect_continue)
+    _quiet_loop(fs)
     return fs, root.rstrip("/")
 
 
@@ -109,17 +143,21 @@ def _same_object(copy: dict | None, original: dict) -> bool:
 
 
 def _retried(call, what: str):
-    """call(), retried with backoff unless the store's answer is final (missing, forbidden, exists)."""
-    delay = 0.5
-    for attempt in range(ATTEMPTS):
+    """call(), retried with backoff for up to timeout_s() unless the store's answer is final (missing, exists); a
+    refusal (403) or the last error as SnapshotError naming `what`."""
+    delay, deadline = 0.5, time.monotonic() + timeout_s()
+    while True:
         try:
             return call()
-        except (FileNotFoundError, PermissionError, FileExistsError, SnapshotError):
+        except (FileNotFoundError, FileExistsError, SnapshotError):
             raise
+        except PermissionError as exc:  # credentials refused: no retry helps
+            raise SnapshotError(f"{what}: {first_line(exc)}") from exc
         except Exception as exc:  # connection errors, timeouts, 5xx, throttling
-            if attempt == ATTEMPTS - 1:
-                raise SnapshotError(f"{what}: {first_line(exc)}") from exc
-            log.debug("%s: %s; retrying in %.1f s", what, first_line(exc), delay)
+            reason = first_line(exc) if str(exc) else f"{type(exc).__name__}: the store did not answer in time"
+            if time.monotonic() + delay + sum(_request_timeouts()) > deadline:
+                raise SnapshotError(f"{what}: {reason} (retried for {timeout_s():.0f} s: STORE_TIMEOUT_S)") from exc
+            log.debug("%s: %s; retrying in %.1f s", what, reason, delay)
             time.sleep(delay)
             delay = min(delay * 2, 30.0)
 
@@ -169,13 +207,22 @@ class Store:
         """Put one file and check it by reading it back: its size and sha256 must be the receipt's."""
 
         def put():
-            self.fs.put_file(local, self.path(name))
+            self.fs.put_file(local, self.path(name), **self._bounded(entry["size"]))
             with self.fs.open(self.path(name), "rb", block_size=1 << 22) as handle:
                 got = stream_entry(handle)
             if (got["size"], got["sha256"]) != (entry["size"], entry["sha256"]):
                 raise OSError(f"{self.where(name)} read back as {got['size']} bytes with another checksum")
 
         _retried(put, f"uploading {self.where(name)}")
+
+    def _bounded(self, size: int) -> dict:
+        """The hard limit on one upload of `size` bytes, for a store client that takes one: a request's timeouts
+        bound the wait for an answer, not a body the store stops reading (a second per MiB on top)."""
+        from fsspec.asyn import AsyncFileSystem
+
+        if not isinstance(self.fs, AsyncFileSystem):
+            return {}
+        return {"timeout": sum(_request_timeouts()) + size / 2**20}
 
     def download(self, name: str, local: str) -> None:
         os.makedirs(os.path.dirname(local), exist_ok=True)
@@ -443,7 +490,8 @@ class Uploader:
                 if self._error is None and not self.closed:
                     self._upload(step)
             except BaseException as exc:
-                self._error = exc if isinstance(exc, SnapshotError) else SnapshotError(first_line(exc))
+                what = f"uploading to {self.store.url}: {first_line(exc)}"
+                self._error = exc if isinstance(exc, SnapshotError) else SnapshotError(what)
             with self._idle:
                 self._pending -= 1
                 self._idle.notify_all()
