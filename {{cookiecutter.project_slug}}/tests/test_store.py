@@ -273,14 +273,24 @@ def damage_puts(monkeypatch, suffix, times):
 
 
 @needs_s3
-def test_a_manifest_damaged_on_its_way_to_the_store_is_written_again(bucket, monkeypatch):
+@pytest.mark.parametrize("times", [1, 1000])
+def test_a_manifest_damaged_on_its_way_to_the_store_is_written_again(bucket, monkeypatch, times):
     """The commit marker is read back like every other object: a byte flipped in its PUT does not commit a damaged
-    snapshot (which every reader would skip for the one before); it is written again."""
+    snapshot (which every reader would skip for the one before, silently); it is written again, and where it never
+    reads back whole (within STORE_TIMEOUT_S) the save fails and the step does not count."""
+    monkeypatch.setenv("STORE_TIMEOUT_S", "3")
     url = f"s3://{bucket}/run"
-    left = damage_puts(monkeypatch, f"{step_name(20)}/manifest.json", times=1)
-    save_steps(url, [10, 20])
-    assert left == [0], "no manifest was damaged"
-    assert load_latest(url)["step"] == 20
+    left = damage_puts(monkeypatch, f"{step_name(20)}/manifest.json", times=times)
+    if times == 1:
+        save_steps(url, [10, 20])
+        assert left == [0], "no manifest was damaged"
+        assert load_latest(url)["step"] == 20
+        return
+    with pytest.raises(SnapshotError, match=f"{url}/{step_name(20)}/manifest.json"):
+        save_steps(url, [10, 20])
+    assert left[0] < times
+    assert not store().exists(f"{bucket}/run/{step_name(20)}/manifest.json")
+    assert load_latest(url)["step"] == 10
 
 
 @needs_s3

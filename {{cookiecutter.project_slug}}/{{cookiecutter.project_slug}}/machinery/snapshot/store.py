@@ -115,6 +115,8 @@ def url_problem(url: str) -> str | None:
         Store(url, 0).probe()
     except SnapshotError as exc:
         return str(exc)
+    except Exception as exc:  # the store's client could not be made (its configuration, ...)
+        return f"cannot use the store {url}: {first_line(exc)}"
     return None
 
 
