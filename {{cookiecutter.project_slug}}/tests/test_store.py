@@ -523,6 +523,39 @@ def test_a_store_gone_for_good_stops_the_saves_in_one_error_within_store_timeout
     assert load_latest(url)["step"] == 10
 
 
+@needs_s3
+def test_a_run_whose_store_goes_for_good_stops_in_one_line_and_keeps_its_snapshots(
+    tmp_path, s3_server, bucket, monkeypatch, capfd
+):
+    """The store resets every connection once the first snapshot is committed: the run stops within
+    STORE_TIMEOUT_S with exit code 2 and one ERROR line naming the URL (no traceback of the store's client), and
+    the committed snapshot loads."""
+    from {{ cookiecutter.project_slug }}.machinery.snapshot import store as store_module
+
+    monkeypatch.setenv("STORE_TIMEOUT_S", "4")
+    link = FlakyLink(s3_server)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", link.endpoint)
+    commit = store_module.Store.commit
+
+    def commit_then_lose_the_store(self, step, manifest):
+        commit(self, step, manifest)
+        link.cut(True, "reset")
+
+    monkeypatch.setattr(store_module.Store, "commit", commit_then_lose_the_store)
+    url = f"s3://{bucket}/run"
+    args = QUICK + ["--max-steps", "40", "--snapshot-every", "10", "--eval-every", "0", "--snapshot-dir", url]
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as stopped:
+        train.main(args + outputs(tmp_path)[2:])
+    assert stopped.value.code == 2 and time.monotonic() - started < 60
+    err = capfd.readouterr().err
+    errors = [line for line in err.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and url in errors[0], errors
+    assert "Traceback" not in err and "Task exception" not in err, err[-3000:]
+    link.cut(False)
+    assert load_latest(url)["step"] == 10
+
+
 HOLDER = """
 import sys, time
 sys.path.insert(0, {root!r})
