@@ -23,6 +23,7 @@ Your rooms are one level up: model.py, data.py and config.py (the seam: machiner
     stop.py         SIGTERM and Ctrl-C: stop every rank at the same step, with a snapshot
     runsettings.py  the engine's settings (RunSettings, which config.py's Config extends), grouped as --help shows
     settings.py     the settings dataclass <-> command line and TOML
+    storeurl.py     how a store URL (s3://bucket/prefix) must be spelled: one spelling per prefix
     distributed.py  the torchrun environment, process group, device and teardown
     launcher.py     launch(): torchrun's elastic agent started from Python (notebooks, scripts), output in the caller
     sweeps.py       an Optuna study whose trials are multi-rank runs, each in a folder (python -m <package>.sweep)

@@ -2,8 +2,9 @@
 
 `check_paths` refuses, before anything is built, the path flags rank 0 cannot write (one line, exit code 2).
 `Claim` holds the export folder (`ExportFolder`) or the metrics file (tracking.MetricsFile) for one run; another
-run's files there move aside to `<export-dir>.<its run id>`, and come back when that run starts again. A live job
-holds its files with flock, released however the process ends: files a live process writes never move under it.
+run's files there move aside to `<export-dir>.<its run id>`, and come back when that run starts again (on a store
+too: ExportFolder._claim_store). A live job holds its files with flock, released however the process ends: files a
+live process writes never move under it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from . import distributed, logs, report
 from .distributed import DistEnv
@@ -254,9 +255,46 @@ class ExportFolder(Claim):
                 self._fd = self.claim(self.path, run_id)
             except OSError as exc:
                 raise RunError(f"cannot claim the export folder {self.path}: {exc}") from None
+            if self.store is not None:
+                self._claim_store(run_id)
             return self.path
 
         self.path = distributed.decided_on_rank_0(env, claim, RunError)
+
+    def _claim_store(self, run_id: str) -> None:
+        """Rank 0, on a store, as claim() does for a folder: another run's exported files move aside to
+        `<export-dir>.<its run id>` (each object copied, checked, then removed: Store.move), this run's own come back
+        from `<export-dir>.<run id>`, and run.json there names this run. (A store holds no lock a live job could
+        hold: two live jobs exporting to one URL take it from each other, each at its start.)"""
+        from .snapshot.format import SnapshotError
+        from .snapshot.store import Store
+
+        store = cast(Store, self.store)
+        try:
+            held = {name.split("/")[0] for name in store.listing()}
+            records = [store.get_json(name) for name in (OWNER_FILE, "summary.json") if name in held]
+            found = next((record.get("run_id") for record in records if isinstance(record, dict)), None)
+            owner = found if isinstance(found, str) and RUN_ID.match(found) else None
+            names = [name for name in EXPORT_FILES if name in held]
+            if owner != run_id and names:
+                label, number = owner or time.strftime("unknown-run-%Y%m%d-%H%M%S"), 1
+                aside = Store(f"{store.url}.{label}", 0)
+                while aside.listing():
+                    number += 1
+                    aside = Store(f"{store.url}.{label}-{number}", 0)
+                store.move(names, aside.root)
+                if owner is not None:
+                    aside.put_json(OWNER_FILE, {"run_id": owner})
+                log.info("the exported files of run %s in %s moved aside to %s", owner, store.url, aside.url)
+            own = Store(f"{store.url}.{run_id}", 0)
+            back = [name for name in EXPORT_FILES if name in {name.split("/")[0] for name in own.listing()}]
+            if owner != run_id and back:
+                store.move(back, store.root, source=own.root)
+                own.remove(OWNER_FILE)
+                log.info("this run's exported files are back in %s from %s", store.url, own.url)
+            store.put_json(OWNER_FILE, {"run_id": run_id})
+        except (OSError, SnapshotError) as exc:
+            raise RunError(f"cannot claim the export folder {store.url}: {exc}") from None
 
     def owner(self, fd: int | None) -> str | None:
         """Whom run.json names, else summary.json."""

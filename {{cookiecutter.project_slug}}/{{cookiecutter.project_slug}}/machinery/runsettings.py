@@ -13,6 +13,7 @@ from typing import Any
 
 from . import baked, settings
 from .settings import SettingsT, option
+from .storeurl import url_spelling_problem
 
 AMP_MODES = ("off", "bf16", "fp16")
 WANDB_MODES = ("online", "offline", "disabled")
@@ -65,6 +66,7 @@ class EvaluationSettings:
         "export",
         "final weights (model.pt) and the best by val_loss (best.pt) go here (a folder or store URL)",
         nonempty=True,
+        check=url_spelling_problem,
     )
     metrics_file: str = option("logs/metrics.jsonl", "one JSON object per logged step, written by rank 0; '' for none")
 
@@ -77,6 +79,7 @@ class SnapshotSettings:
         "snapshots",
         "folder (or store URL: s3://bucket/prefix, gs://, az://) for snapshots; a run resumes from the newest good one",
         nonempty=True,
+        check=url_spelling_problem,
     )
     snapshot_every: int = option(100, "save a snapshot every this many optimizer steps (and always at the end)", min=1)
     keep_snapshots: int = option(

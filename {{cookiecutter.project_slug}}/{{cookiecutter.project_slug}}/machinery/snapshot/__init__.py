@@ -22,7 +22,9 @@ and removes it otherwise. A snapshot whose manifest or files do not check out is
 resume from the same one. Only folders named exactly as step_name() names them are snapshots.
 
 A fresh start (`--resume never`) moves what the folder holds aside into `<folder>.set-aside-<date>-<time>` (for a
-symbolic link, the folder it points to), unless this same torchrun job wrote the snapshots: that is a restart.
+symbolic link, the folder it points to), unless this same torchrun job wrote the snapshots: that is a restart. On
+a store, each object is copied to `<prefix>.set-aside-<date>-<time>`, checked, then removed; `set-aside.json` on the
+prefix records a move in progress, which the next start finishes (store.py).
 
 Where the code is: format.py (names, checksummed writes, the manifest, checked reads), rng.py, staging.py (copies
 off the training thread), folder.py (prepare, resume, set aside, prune), writer.py (`Snapshots`: save and commit),
