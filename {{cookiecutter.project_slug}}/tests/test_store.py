@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 import train
 from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
-from {{ cookiecutter.project_slug }}.machinery.snapshot import SHARED, Snapshots, load_latest, step_name
+from {{ cookiecutter.project_slug }}.machinery.snapshot import SHARED, SnapshotError, Snapshots, load_latest, step_name
 
 STEPS = 80
 ARGS = QUICK + ["--max-steps", str(STEPS), "--snapshot-every", "20"]
