@@ -203,6 +203,10 @@ def test_defaults_bake_a_project_that_passes_the_quick_part_of_its_tests(tmp_pat
     ]:
         assert (project / name).is_file(), name
     assert list((project / "scripts").glob("*.sbatch"))
+    # The image (its Dockerfile) trains on the torch release that these tests run the projects on.
+    (image_torch,) = re.findall(r"^ARG TORCH=(\S+)$", (project / "Dockerfile").read_text(), re.M)
+    (tested_torch,) = re.findall(r"^torch==(\S+)$", (ROOT / "requirements-dev.txt").read_text(), re.M)
+    assert image_torch == tested_torch
     assert_no_replica_groups(project)  # opt-in: replica_groups defaults to no
     run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FAST_OWN_TESTS)
     # mypy runs on the replica_groups=yes bake: its package is this one plus the replica groups' additions only.
