@@ -23,6 +23,7 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 LONGEST = (
     "test_the_hugging_face_recipes_resume_bitwise_under_ddp_and_fsdp",
     "test_replica_groups_yes_bakes_torchft_replica_groups_that_pass_their_tests",
+    "test_the_readme_install_resolves_with_pip_for_every_dependency_option_and_its_quick_tier_passes_there",
     "test_own_model_and_data_pass_the_whole_suite",
     "test_dry_run_prepares_installs_tests_and_benchmarks_then_prints_one_table",
     "test_a_transformer_lm_on_a_stream_passes_the_seam_tests",

@@ -203,6 +203,10 @@ def test_defaults_bake_a_project_that_passes_the_quick_part_of_its_tests(tmp_pat
     ]:
         assert (project / name).is_file(), name
     assert list((project / "scripts").glob("*.sbatch"))
+    # The image (its Dockerfile) trains on the torch release that these tests run the projects on.
+    (image_torch,) = re.findall(r"^ARG TORCH=(\S+)$", (project / "Dockerfile").read_text(), re.M)
+    (tested_torch,) = re.findall(r"^torch==(\S+)$", (ROOT / "requirements-dev.txt").read_text(), re.M)
+    assert image_torch == tested_torch
     assert_no_replica_groups(project)  # opt-in: replica_groups defaults to no
     run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FAST_OWN_TESTS)
     # mypy runs on the replica_groups=yes bake: its package is this one plus the replica groups' additions only.
@@ -341,6 +345,8 @@ def test_backend_choice_is_the_default_and_can_be_overridden(tmp_path, backend):
         run_in(project, *args, "--backend", "gloo")
     else:
         assert result.returncode == 0, result.stderr[-3000:]
+    if backend == "nccl":  # its own quick tier passes on whatever machine runs it, with or without GPUs
+        run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FAST_OWN_TESTS)
 
 
 def test_replica_groups_yes_bakes_torchft_replica_groups_that_pass_their_tests(tmp_path):
@@ -362,6 +368,88 @@ def test_replica_groups_yes_bakes_torchft_replica_groups_that_pass_their_tests(t
     # too. Once, here: a default bake's package is this one less the replica groups' additions (a module, an import
     # and a setting that no other file may name: assert_no_replica_groups), so it holds no code this check skips.
     run_in(project, "-m", "mypy", "--no-incremental")
+
+
+# The answers that change a bake's requirements (pyproject.toml), each against the default bake's.
+DEPENDENCY_OPTIONS = {
+    "default": {},
+    "use_wandb=no": {"use_wandb": "no"},
+    "replica_groups=yes": {"replica_groups": "yes"},
+}
+
+
+def test_the_readme_install_resolves_with_pip_for_every_dependency_option_and_its_quick_tier_passes_there(tmp_path):
+    """The README's `pip install -e '.[dev]'`, in a fresh venv (with the pip it bundles) on this machine's package
+    index, for each answer that changes the requirements, with torch held at the build these tests run on (the
+    README's constraint: pip would otherwise take the newest, a CUDA build). pip resolves (--dry-run --report: the
+    README's command less the downloads and unpacking); uv then makes the venv hold exactly the artifacts pip chose,
+    and nothing else (`uv pip sync` of the report's URLs: it resolves nothing of its own), and the bake's quick tier
+    runs there. A requirement that sends pip backtracking through hundreds of releases fails at the timeout."""
+    from concurrent.futures import ThreadPoolExecutor
+    from importlib.metadata import version
+
+    projects = {name: bake(tmp_path / name, **answers) for name, answers in DEPENDENCY_OPTIONS.items()}
+    default = (projects["default"] / "pyproject.toml").read_text()
+    assert len({(project / "pyproject.toml").read_text() for project in projects.values()}) == len(projects)
+    options = json.loads((ROOT / "cookiecutter.json").read_text())
+    others = [
+        (key, value)
+        for key, values in options.items()
+        if isinstance(values, list) and not key.startswith("_")
+        for value in values[1:]
+    ]
+    for key, value in others:  # every other answer leaves the requirements as they are
+        if key not in ("use_wandb", "replica_groups"):
+            assert (bake(tmp_path / f"{key}-{value}", **{key: value}) / "pyproject.toml").read_text() == default, key
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    held = tmp_path / "torch.txt"
+    held.write_text(f"torch=={version('torch')}\n")
+    env = {k: v for k, v in _clean_env().items() if not k.startswith(("WARM_", "VIRTUAL_ENV", "PYTHONPATH"))}
+
+    def resolve(name):
+        report = tmp_path / f"{name}.json"
+        result = subprocess.run(
+            [venv / "bin" / "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", report]
+            + ["-e", ".[dev]", "-c", held],
+            cwd=projects[name],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=900,
+        )
+        assert result.returncode == 0, f"{name}: pip install -e '.[dev]' does not resolve:\n{result.stderr[-3000:]}"
+        return json.loads(report.read_text())["install"]
+
+    with ThreadPoolExecutor(len(projects)) as pool:
+        chosen = dict(zip(projects, pool.map(resolve, projects), strict=True))
+    uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
+    assert uv, "uv installs pip's choices here: ./scripts/setup-env.sh puts it in the template's environment"
+    for name, project in projects.items():
+        lines = [f"-e {project}"] + [
+            f"{item['metadata']['name']} @ {item['download_info']['url']}"
+            for item in chosen[name]
+            if "dir_info" not in item["download_info"]  # the bake itself, editable
+        ]
+        assert any(line.startswith("torch @ ") for line in lines), f"{name}: pip chose no torch"
+        (tmp_path / f"{name}.txt").write_text("\n".join(lines) + "\n")
+        subprocess.run(
+            [uv, "pip", "sync", "--quiet", "--python", venv / "bin" / "python", tmp_path / f"{name}.txt"],
+            check=True,
+            env=env,
+            timeout=900,
+        )
+        result = subprocess.run(
+            [venv / "bin" / "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *FAST_OWN_TESTS],
+            cwd=project,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
+        summary = result.stdout.strip().splitlines()[-1]
+        assert result.returncode == 0 and "failed" not in summary, f"{name}: {result.stdout[-3000:]}"
+        print(f"{name}: pip chose {len(chosen[name])} distributions; quick tier: {summary}")
 
 
 def test_nproc_and_debug_port_reach_every_place_that_uses_them(tmp_path):

@@ -19,11 +19,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from {{ cookiecutter.project_slug }}.machinery import baked
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "{{ cookiecutter.project_slug }}"
+# The backend this machine has, where the project's default is one it lacks: a project whose default is nccl trains
+# on gloo here when there are no CUDA GPUs, as an auto default would (the tests check training, snapshots and their
+# promises, whichever backend carries them; test_config.py checks that nccl without GPUs is refused).
+MACHINE_BACKEND = ["--backend", "gloo"] if baked.BACKEND == "nccl" and not torch.cuda.is_available() else []
 # Settings every test run shares. They name no setting of the model or the data, so the tests run unchanged on
 # whatever model.py and data.py hold.
-QUICK = ["--wandb", "disabled", "--log-every", "5"]
+QUICK = ["--wandb", "disabled", "--log-every", "5", *MACHINE_BACKEND]
 # Runs compared bit for bit: a snapshot every 10 steps, one thread per rank (the thread count is part of the numerics).
 EXACT = QUICK + ["--snapshot-every", "10", "--threads-per-rank", "1"]
 
