@@ -45,13 +45,19 @@ class JobLockError(RuntimeError):
 
 def stale_after_s() -> float:
     """Seconds without a heartbeat after which a lock held from another machine counts as dead (JOB_LOCK_STALE_S)."""
-    text = os.environ.get("JOB_LOCK_STALE_S", "").strip()
+    return seconds_from_env("JOB_LOCK_STALE_S", DEFAULT_STALE_S)
+
+
+def seconds_from_env(name: str, default: float) -> float:
+    """A number of seconds > 0 from the environment variable `name` (`default` where it is unset or empty); anything
+    else is a JobLockError naming the variable and its value."""
+    text = os.environ.get(name, "").strip()
     try:
-        seconds = float(text) if text else DEFAULT_STALE_S
+        seconds = float(text) if text else default
     except ValueError:
         seconds = math.nan
     if not (math.isfinite(seconds) and seconds > 0):
-        raise JobLockError(f"JOB_LOCK_STALE_S must be a number of seconds > 0, got {text!r}")
+        raise JobLockError(f"{name} must be a number of seconds > 0, got {short_repr(text)}")
     return seconds
 
 

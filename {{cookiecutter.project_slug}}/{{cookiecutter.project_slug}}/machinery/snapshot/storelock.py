@@ -18,7 +18,6 @@ taken it and let it go. Other stores than S3 (no conditional write there) remove
 
 import json
 import logging
-import math
 import os
 import secrets
 import socket
@@ -26,7 +25,7 @@ import threading
 import time
 
 from ..identity import boot_id, process_alive, process_start
-from ..joblock import JobLockError
+from ..joblock import JobLockError, seconds_from_env
 from ..settings import first_line, short_repr
 from .format import SnapshotError
 
@@ -39,14 +38,7 @@ RACES = 10  # take-overs lost to other jobs before giving up
 
 def stale_s() -> float:
     """Seconds without a renewal after which a lock counts as its job's that is gone (STORE_LOCK_STALE_S)."""
-    text = os.environ.get("STORE_LOCK_STALE_S", "").strip()
-    try:
-        seconds = float(text) if text else DEFAULT_STALE_S
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise JobLockError(f"STORE_LOCK_STALE_S must be a number of seconds > 0, got {short_repr(text)}")
-    return seconds
+    return seconds_from_env("STORE_LOCK_STALE_S", DEFAULT_STALE_S)
 
 
 def describe(holder: dict) -> str:
