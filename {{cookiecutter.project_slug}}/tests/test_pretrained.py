@@ -13,7 +13,6 @@ import torch.multiprocessing as mp
 from conftest import EXACT, assert_same_weights, child_env, outputs, project, run, save_base_model, summary, train_cmd
 from torch import nn
 
-from {{ cookiecutter.project_slug }}.data import TeacherDataset
 from {{ cookiecutter.project_slug }}.machinery import pretrained
 from {{ cookiecutter.project_slug }}.machinery.distributed import DistEnv
 from {{ cookiecutter.project_slug }}.machinery.settings import RunError
@@ -240,10 +239,23 @@ def test_under_fsdp_each_rank_gets_exactly_its_rows_with_one_block_in_flight(tmp
 
 # -- under fsdp, for real: a peft model with a 0-d parameter and a buffer made from a parameter ----------------------
 
+FEATURES, CLASSES = 8, 4
+SCALED_DATA = f"""
+import torch
+from torch.utils.data import TensorDataset
+
+
+def build_datasets(cfg):
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(256, {FEATURES}, generator=generator)
+    return TensorDataset(inputs, torch.randint(0, {CLASSES}, (256,), generator=generator)), None
+"""
 SCALED = """
 import os
 
 import peft
+
+FEATURES, CLASSES = 8, 4
 
 
 class Scaled(nn.Module):
@@ -264,9 +276,17 @@ class Scaled(nn.Module):
 
 def build_model(cfg, train_dataset):
     lora = peft.LoraConfig(r=4, target_modules=["proj"])
-    model = peft.get_peft_model(Scaled(train_dataset.features, train_dataset.classes), lora)
+    model = peft.get_peft_model(Scaled(FEATURES, CLASSES), lora)
     model.get_base_model().logit_scale.requires_grad_(True)  # trains beside the adapters
     return model
+
+
+def loss_fn(outputs, targets):
+    return nn.functional.cross_entropy(outputs, targets)
+
+
+def build_optimizer(cfg, model):
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
 
 
 def shard_units(model):
@@ -280,8 +300,7 @@ def pretrained_weights(cfg):
 
 def scaled_weights(seed):
     torch.manual_seed(seed)
-    features, classes = TeacherDataset.features, TeacherDataset.classes
-    layers = {"embed": nn.Linear(features, 16), "proj": nn.Linear(16, 16), "head": nn.Linear(16, classes)}
+    layers = {"embed": nn.Linear(FEATURES, 16), "proj": nn.Linear(16, 16), "head": nn.Linear(16, CLASSES)}
     weights = {
         f"{name}.{kind}": getattr(layer, kind).detach() for name, layer in layers.items() for kind in ("weight", "bias")
     }
@@ -294,7 +313,7 @@ def test_under_fsdp_a_peft_model_with_a_0_d_parameter_starts_from_its_weights_an
     on every rank; a resume from a snapshot of step 4 ends bitwise equal to the run that went on. A resume whose
     pretrained_weights changed says once that the snapshot wins."""
     pytest.importorskip("peft")
-    workspace = project(tmp_path, model=SCALED)
+    workspace = project(tmp_path, model=SCALED, data=SCALED_DATA)  # data and hooks of its own: any model.py
     first, second = scaled_weights(1), scaled_weights(2)
     pytest.importorskip("safetensors.torch").save_file(first, tmp_path / "first.safetensors")
     torch.save(second, tmp_path / "second.pt")
