@@ -29,7 +29,7 @@ from {{ cookiecutter.project_slug }}.machinery.hooks import UserCode
 from {{ cookiecutter.project_slug }}.machinery.parallel import DistributedModel
 from {{ cookiecutter.project_slug }}.machinery.settings import RunError
 
-# The arguments of the SIGKILL resume test beside it: the suite's uninterrupted run of them (reference_runs) serves both.
+# The arguments of the SIGKILL resume test beside it: the suite's uninterrupted run of them (reference_runs) serves both
 ARGS = QUICK + ["--max-steps", "80", "--snapshot-every", "20"]
 
 

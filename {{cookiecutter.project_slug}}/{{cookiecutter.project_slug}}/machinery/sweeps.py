@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -280,6 +281,10 @@ def _optuna() -> Any:
     except ImportError:
         raise RunError("sweeps need optuna: pip install -e '.[sweep]'") from None
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # The heartbeat (RDBStorage's, recorded by this worker while its trial's job runs) is marked experimental, and
+    # meant for Study.optimize: both said once per call, about a choice made here on purpose
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
     return optuna
 
 
