@@ -180,6 +180,7 @@ class Measure:
         self._step_tokens: torch.Tensor | int | None = None
         self._host_memory = None if self.cuda else _HostMemory()
         self._first_step = True
+        self._state_bytes_due = False  # the first step is done: the memory each rank holds is to be said
         self._grad_bytes = 0
         # GPUs: (part, start event, end event) since the last read, read once the device is synced
         self._events: list[tuple[str, Any, Any]] = []
@@ -226,7 +227,10 @@ class Measure:
                 self._tokens = self._step_tokens if self._tokens is None else self._tokens + self._step_tokens
             if self._first_step:
                 self._first_step = False
-                self._log_state_bytes()
+                self._state_bytes_due = True  # said at the next mark of no part's: after the progress bar moved
+        elif part is None and self._state_bytes_due:
+            self._state_bytes_due = False
+            self._log_state_bytes()
         if self.cuda:
             event = self._event()
             if part is not None:

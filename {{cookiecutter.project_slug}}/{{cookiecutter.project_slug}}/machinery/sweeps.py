@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -58,6 +59,7 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 # Attributes a trial keeps in the study: the worker running it (host, boot, pid, start time), the trial whose folder
 # it continues (an interrupted one), what ended it
 WORKER, CONTINUES, REPLACES, ERROR, STEPS = "worker", "continues", "replaces", "error", "steps"
+READY = "ready"  # a study attribute: the worker that made the study has enqueued what it enqueues
 INTERRUPTED = "interrupted: its worker stopped or was lost; the trial continues from its snapshot"
 
 
@@ -289,40 +291,54 @@ def _optuna() -> Any:
 
 
 def open_study(space: Space) -> Any:
+    """The study of `space`, made by the first worker that starts (which also enqueues a grid's combinations, once);
+    the others load it, and wait for the grid."""
     optuna = _optuna()
     url = space.storage_url()
     if url.startswith("sqlite:///"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    storage = optuna.storages.RDBStorage(
-        url,
-        engine_kwargs=engine_options(url),
-        heartbeat_interval=space.heartbeat_s,
-        grace_period=3 * space.heartbeat_s,
-        heartbeat_stale_trial_callback=_continue_later,  # a worker with no heartbeat: its trial continues
-    )
     if space.sampler == "grid" and any(p.choices is None for p in space.params.values()):
         raise RunError("[study] sampler = 'grid' needs choices for every setting of [space]")
     if space.sampler == "tpe":
         sampler = optuna.samplers.TPESampler(seed=space.seed)
     else:  # grid: every combination is enqueued once (below); trials past them draw at random
         sampler = optuna.samplers.RandomSampler(seed=space.seed)
-    pruner = make_pruner(dataclasses.asdict(space))
-    study = optuna.create_study(
-        study_name=space.name,
-        storage=storage,
-        sampler=sampler,
-        pruner=pruner,
-        direction=space.direction,
-        load_if_exists=True,
-    )
+    options = {"sampler": sampler, "pruner": make_pruner(dataclasses.asdict(space)), "study_name": space.name}
+    for attempt in range(5):  # workers that start together on a new database: one makes its tables, the others wait
+        try:
+            storage = optuna.storages.RDBStorage(
+                url,
+                engine_kwargs=engine_options(url),
+                heartbeat_interval=space.heartbeat_s,
+                grace_period=3 * space.heartbeat_s,
+                heartbeat_stale_trial_callback=_continue_later,  # a worker with no heartbeat: its trial continues
+            )
+            study = optuna.create_study(storage=storage, direction=space.direction, **options)
+            break
+        except optuna.exceptions.DuplicatedStudyError:
+            study = optuna.load_study(storage=storage, **options)
+            _wait_for_grid(study, space)
+            return study
+        except Exception:  # the database's tables made by another worker at this moment
+            if attempt == 4:
+                raise
+            time.sleep(0.5 + attempt)
     if space.sampler == "grid":
         import itertools
 
         names = list(space.params)
-        grid = list(itertools.product(*([_encoded(c) for c in space.params[n].choices or ()] for n in names)))
-        for values in grid:  # skip_if_exists: a combination another worker enqueued or ran is not enqueued again
-            study.enqueue_trial(dict(zip(names, values, strict=True)), skip_if_exists=True)
+        for values in itertools.product(*([_encoded(c) for c in space.params[n].choices or ()] for n in names)):
+            study.enqueue_trial(dict(zip(names, values, strict=True)))
+    study.set_user_attr(READY, True)
     return study
+
+
+def _wait_for_grid(study: Any, space: Space) -> None:
+    """A worker that did not make the study waits until the one that did has enqueued its grid (a trial asked for
+    before that would draw at random)."""
+    deadline = time.monotonic() + 120
+    while not study.user_attrs.get(READY) and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def _boot_id() -> str:
