@@ -60,13 +60,14 @@ def trial_summary(tmp_path, number):
 
 
 def test_a_study_runs_each_trial_in_its_folder_prunes_one_on_every_rank_and_draws_its_trials(tmp_path):
-    """Three trials; the one whose learning rate learns nothing is pruned at its first report after the first
+    """Four trials; the one whose learning rate learns nothing is pruned at its first report after the first
     trial's, stopping every rank at the same step with a snapshot; each trial is one offline wandb run from rank 0,
     grouped by study; --show prints the table and draws trials.png."""
-    space = space_file(tmp_path, [1e-2, 1e-12, 2e-2], args=[a if a != "disabled" else "offline" for a in TRIAL_ARGS])
+    offline = [a if a != "disabled" else "offline" for a in TRIAL_ARGS]
+    space = space_file(tmp_path, [1e-2, 1e-12, 2e-2, 5e-3], args=offline)
     result = run(sweep_cmd(tmp_path, space), env=child_env(WANDB_DIR=tmp_path, WANDB_SILENT="true"), timeout=600)
     found = {row["trial"]: row for row in trials(tmp_path, space)}
-    assert sorted(found) == [0, 1, 2], result.stdout[-3000:]
+    assert sorted(found) == [0, 1, 2, 3], result.stdout[-3000:]
     assert found[0]["state"] == "complete" and found[1]["state"] == "pruned", found
     assert found[1]["lr"] == 1e-12 and found[1]["steps"] < 20, found
     pruned = trial_summary(tmp_path, 1)
@@ -81,7 +82,7 @@ def test_a_study_runs_each_trial_in_its_folder_prunes_one_on_every_rank_and_draw
     assert (tmp_path / "sweeps" / "lr-sweep.db").is_file() and (study_dir(tmp_path) / "trials.png").is_file()
     # wandb: one run per trial (rank 0 only), grouped by the study, named after the trial
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 3, runs
+    assert len(runs) == 4, runs
     for number in found:
         run_id = json.loads((study_dir(tmp_path) / f"trial-{number}" / "snapshots" / "run.json").read_text())
         (record,) = [r for r in runs if r.name.endswith(run_id["run_id"])]
