@@ -1,6 +1,7 @@
 """What a run shows of its speed and memory: tokens/s, peak memory per logged step, each rank's step time by part,
 the straggler (machinery/measure.py)."""
 
+import json
 import logging
 import os
 import types
@@ -170,6 +171,7 @@ def test_a_rank_slow_to_load_data_is_named_with_its_part_and_a_dict_batch_logs_t
         assert record["tokens_per_s"] == pytest.approx(3 * record["samples_per_s"]), record
         assert record["peak_memory_rank"] in (0, 1) and record["peak_memory_mib"] > 0, record
     done = summary(tmp_path)
+    assert json.loads((tmp_path / "summary.json").read_text()) == done  # beside the metrics file too
     rank0, rank1 = done["step_times"]
     assert rank0["steps"] == rank1["steps"] == 12
     assert rank1["data"] > 12 * 0.05 * 0.9, rank1

@@ -70,6 +70,8 @@ def finish(trainer: Ending, stop: StopRequest) -> Summary:
         trainer.exports.export(trainer.parallel, "model.pt")  # final weights only from a run that finished
     if trainer.env.is_main:
         write_summary(summary, trainer.exports.path)  # a stopped run's too, with its stop_signal
+        if trainer.metrics_file:  # and beside the metrics file, with the records it sums up
+            write_summary(summary, os.path.dirname(trainer.metrics_file))
         trainer.exports.publish()
     if summary.already_complete:
         log.info(
