@@ -17,13 +17,12 @@ interleaved, --repeats times, on a machine other jobs share.
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from common import CpuMeter, bake, load, machine, scratch_folder
+from common import CpuMeter, load, machine, project_in, scratch_folder
 
 MODES = ("off", "full", "selective")
 ARCH = {"n_layer": 6, "n_embd": 256, "n_head": 4, "n_positions": 512, "vocab_size": 2048}
@@ -135,11 +134,7 @@ def main():
     info["load_before"] = load()[0]
     meter = CpuMeter()
     with scratch_folder("activation-checkpointing-", args.keep) as work:
-        if args.project:
-            shutil.copytree(args.project, work / "ddp_project", ignore=shutil.ignore_patterns(".venv", "logs"))
-            project, package = work / "ddp_project", "ddp_project"
-        else:
-            project, package = bake(work / "bake")
+        project, package = project_in(work, args.project)
         (project / package / "data.py").write_text(DATA)
         (project / package / "model.py").write_text(MODEL)
         (work / "measure.py").write_text(WRAPPER.format())

@@ -38,6 +38,15 @@ def bake(scratch, **answers):
     return project, "ddp_project"
 
 
+def project_in(work, given=None):
+    """A default bake in `work` (or a copy of the baked project `given`, its venv and logs left out); return
+    (project folder, package name)."""
+    if not given:
+        return bake(Path(work) / "bake")
+    shutil.copytree(given, Path(work) / "ddp_project", ignore=shutil.ignore_patterns(".venv", "logs"))
+    return Path(work) / "ddp_project", "ddp_project"
+
+
 def child_env(probe_dir, **extra):
     """The environment of a benchmark run: no debugger, no wandb, no torchrun leftovers of the caller."""
     env = {

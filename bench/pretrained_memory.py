@@ -18,14 +18,13 @@ step is measured.
 import argparse
 import json
 import os
-import shutil
 import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from common import CpuMeter, bake, load, machine, scratch_folder
+from common import CpuMeter, load, machine, project_in, scratch_folder
 
 ARCH = {"n_embd": 768, "n_layer": 6, "n_head": 12, "n_positions": 256, "vocab_size": 50257}
 TINY = {"n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 256, "vocab_size": 128}
@@ -204,11 +203,7 @@ def main():
     info["load_before"] = load()[0]
     meter = CpuMeter()
     with scratch_folder("pretrained-memory-", args.keep) as work:
-        if args.project:
-            shutil.copytree(args.project, work / "ddp_project", ignore=shutil.ignore_patterns(".venv", "logs"))
-            project, package = work / "ddp_project", "ddp_project"
-        else:
-            project, package = bake(work / "bake")
+        project, package = project_in(work, args.project)
         (project / package / "data.py").write_text(DATA)
         (project / package / "model.py").write_text(MODEL)
         (work / "measure.py").write_text(WRAPPER.format(package=package))
