@@ -30,8 +30,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from .identity import boot_id, process_alive, process_start
 from .settings import RunError, flag, settings, short_repr
-from .trialreport import METRIC, PRUNER, STORAGE, STUDY, TRIAL, engine_options, make_pruner
+from .trialreport import METRIC, PRUNER, PRUNER_KEYS, STORAGE, STUDY, TRIAL, engine_options, make_pruner
 
 PACKAGE = __name__.rsplit(".", 2)[0]
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # train.py sits beside the package
@@ -303,7 +304,8 @@ def open_study(space: Space) -> Any:
         sampler = optuna.samplers.TPESampler(seed=space.seed)
     else:  # grid: every combination is enqueued once (below); trials past them draw at random
         sampler = optuna.samplers.RandomSampler(seed=space.seed)
-    options = {"sampler": sampler, "pruner": make_pruner(dataclasses.asdict(space)), "study_name": space.name}
+    pruner = make_pruner({key: getattr(space, key) for key in PRUNER_KEYS})
+    options = {"sampler": sampler, "pruner": pruner, "study_name": space.name}
     for attempt in range(5):  # workers that start together on a new database: one makes its tables, the others wait
         try:
             storage = optuna.storages.RDBStorage(
@@ -341,32 +343,19 @@ def _wait_for_grid(study: Any, space: Space) -> None:
         time.sleep(0.2)
 
 
-def _boot_id() -> str:
-    with contextlib.suppress(OSError):
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    return ""
-
-
-def _started(pid: int) -> str:
-    """When process `pid` started (clock ticks since boot; '' where /proc does not say): a pid reused is told apart."""
-    with contextlib.suppress(OSError, IndexError):
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    return ""
-
-
 def this_worker() -> dict[str, Any]:
+    """This worker as a trial records it: its machine (host name and boot) and its process (pid and start)."""
     pid = os.getpid()
-    return {"host": socket.gethostname(), "boot": _boot_id(), "pid": pid, "started": _started(pid)}
+    return {"host": socket.gethostname(), "boot": boot_id(), "pid": pid, "started": process_start(pid)}
 
 
 def _gone(worker: Any) -> bool:
     """Whether the worker that ran a trial is known dead: it ran on this machine (same boot), and its process is not
     there any more."""
-    mine = this_worker()
-    if not isinstance(worker, dict) or worker.get("host") != mine["host"] or worker.get("boot") != mine["boot"]:
+    if not isinstance(worker, dict) or worker.get("host") != socket.gethostname() or worker.get("boot") != boot_id():
         return False  # another machine's: its heartbeat says when it is gone
-    pid = worker.get("pid")
-    return not isinstance(pid, int) or _started(pid) != worker.get("started")
+    pid, started = worker.get("pid"), worker.get("started")
+    return type(pid) is not int or not process_alive(pid, started if type(started) is int else None)
 
 
 def take_over(study: Any) -> list[int]:
@@ -498,7 +487,7 @@ def run_trial(study: Any, space: Space, trial: Any, say: Any) -> None:
         STUDY: space.name,
         TRIAL: str(trial._trial_id),
         METRIC: space.metric,
-        PRUNER: json.dumps(dataclasses.asdict(space), default=str),
+        PRUNER: json.dumps({key: getattr(space, key) for key in PRUNER_KEYS}),
         "WANDB_RUN_GROUP": space.name,  # wandb (rank 0 only): one run per trial, grouped by study
         "WANDB_NAME": f"trial-{number}",
     }
@@ -561,7 +550,6 @@ def run_study(space: Space, say: Any = print) -> Any:
     """Run trials until the study has [study] trials (those of every worker, earlier starts included)."""
     optuna = _optuna()
     study = open_study(space)
-    study.set_user_attr("space", {name: dataclasses.asdict(p) for name, p in space.params.items()})
     for number in take_over(study):
         say(f"trial {number} was interrupted: it continues from its snapshot")
     failures: list[str] = []

@@ -20,15 +20,18 @@ log = logging.getLogger(__name__)
 STORAGE, STUDY, TRIAL, METRIC, PRUNER = "SWEEP_STORAGE", "SWEEP_STUDY", "SWEEP_TRIAL_ID", "SWEEP_METRIC", "SWEEP_PRUNER"
 
 
+PRUNER_KEYS = ("pruner", "pruner_startup_trials", "pruner_warmup_steps")  # of SPACE.toml's [study]
+
+
 def make_pruner(settings: dict[str, Any]) -> Any:
-    """The pruner of SPACE.toml's [study]: "median" (optuna's MedianPruner) or "none"."""
+    """The pruner that SPACE.toml's [study] names (`settings`: its PRUNER_KEYS): "median" (optuna's MedianPruner)
+    or "none"."""
     import optuna
 
-    if settings.get("pruner", "median") == "none":
+    if settings["pruner"] == "none":
         return optuna.pruners.NopPruner()
     return optuna.pruners.MedianPruner(
-        n_startup_trials=int(settings.get("pruner_startup_trials", 5)),
-        n_warmup_steps=int(settings.get("pruner_warmup_steps", 0)),
+        n_startup_trials=settings["pruner_startup_trials"], n_warmup_steps=settings["pruner_warmup_steps"]
     )
 
 
@@ -50,7 +53,7 @@ class TrialReport(Tracker):
             import optuna
 
             optuna.logging.set_verbosity(optuna.logging.WARNING)
-            pruner = make_pruner(json.loads(os.environ.get(PRUNER) or "{}"))
+            pruner = make_pruner(json.loads(os.environ[PRUNER]))
             storage = optuna.storages.RDBStorage(os.environ[STORAGE], engine_kwargs=engine_options(os.environ[STORAGE]))
             study = optuna.load_study(study_name=os.environ[STUDY], storage=storage, pruner=pruner)
             self.trial = optuna.trial.Trial(study, int(os.environ[TRIAL]))
