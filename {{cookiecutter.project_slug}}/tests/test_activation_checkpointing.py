@@ -125,12 +125,13 @@ def test_a_model_without_units_and_a_unit_given_an_object_are_refused_in_one_lin
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_full_resumed_after_a_sigkill_ends_with_the_weights_of_a_run_without_it(tmp_path, reference_runs, strategy):
-    """Rank 0 is SIGKILLed right after the snapshot of step 40 and torchrun restarts the job, which resumes there."""
+    """Rank 0 is SIGKILLed right after the snapshot of step 40 and torchrun restarts the job, which resumes there. Its
+    snapshots are written without a copy of the state (--no-snapshot-copy): the reference run copies it."""
     args = ARGS + (["--strategy", "fsdp"] if strategy == "fsdp" else [])
     reference = reference_runs(args)  # --activation-checkpointing off
     cmd = train_cmd(2, ["--max-restarts=1"], script="tests/fault_injection.py")
     env = injected(tmp_path, FAULT="kill_after_commit", FAULT_STEP=40)
-    run(cmd + args + ["--activation-checkpointing", "full"] + outputs(tmp_path), env=env)
+    run(cmd + args + ["--activation-checkpointing", "full", "--no-snapshot-copy"] + outputs(tmp_path), env=env)
     assert (tmp_path / "fault-fired").exists()
     assert (summary(tmp_path)["resumed_from"], summary(tmp_path)["steps"]) == (40, 80)
     assert_same_weights(reference["model"], final_model(tmp_path / "run-snapshots")["model"])

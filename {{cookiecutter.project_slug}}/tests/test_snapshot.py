@@ -182,17 +182,6 @@ def test_failed_write_leaves_no_file_behind(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_save_copies_state_before_wait_until_copied_returns(tmp_path):
-    snapshots = Snapshots(tmp_path, DistEnv(), keep=3)
-    snapshots.prepare(estimated_bytes=1)
-    weights = torch.zeros(1_000_000)
-    snapshots.save(5, {"model": {"w": weights}, "step": 5}, {})
-    snapshots.wait_until_copied()
-    weights.add_(1)  # training changes the weights as soon as wait_until_copied() returns
-    snapshots.wait()
-    assert torch.equal(load_latest(str(tmp_path))["model"]["w"], torch.zeros(1_000_000))
-
-
 def test_unwritable_folder_fails_at_start_up(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
@@ -604,6 +593,29 @@ def test_the_export_writes_the_weights_without_a_second_copy_of_them(tmp_path):
     assert peak - before < size_mib / 2, f"the export held {peak - before:.0f} MiB more, the weights are {size_mib:.0f}"
     exported = torch.load(tmp_path / "model.pt", weights_only=True)
     assert all(torch.equal(exported[name], value) for name, value in model.state_dict().items())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="reads the resident memory of Linux")
+@pytest.mark.parametrize("copy", [True, False], ids=["copy", "no copy"])
+def test_a_save_holds_the_state_of_its_step_with_a_copy_of_it_or_without_one(tmp_path, copy):
+    """With a copy, wait_until_copied() returns once the state is copied (training goes on while it is written); without
+    one (--no-snapshot-copy), once the state itself is written: no memory beyond the state, the same snapshot."""
+    snapshots = Snapshots(tmp_path, DistEnv(), keep=3, copy=copy)
+    snapshots.prepare(estimated_bytes=1)
+    weights = torch.zeros(BIG, 4)
+    size_mib = weights.numel() * weights.element_size() / 2**20
+    before, _ = resident_mib()
+    snapshots.save(5, {"model": {"w": weights}, "step": 5}, {"rng": torch.arange(3)})
+    snapshots.wait_until_copied()
+    weights.add_(1)  # training changes the weights as soon as wait_until_copied() returns
+    snapshots.wait()
+    _, peak = resident_mib()
+    snapshots.close()
+    assert torch.equal(load_latest(str(tmp_path))["model"]["w"], torch.zeros(BIG, 4))
+    if copy:
+        assert peak - before > 0.8 * size_mib
+    else:
+        assert peak - before < 0.2 * size_mib, f"the save held {peak - before:.0f} MiB, the state is {size_mib:.0f}"
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="reads the resident memory of Linux")

@@ -82,6 +82,13 @@ class SnapshotSettings:
         check=url_spelling_problem,
     )
     snapshot_every: int = option(100, "save a snapshot every this many optimizer steps (and always at the end)", min=1)
+    snapshot_copy: bool = option(
+        True,
+        "copy the state at a snapshot step into memory kept for it, so that training goes on while it is written "
+        "(one more copy of each rank's state, or its shards under fsdp, in CPU memory; pinned host memory for GPU "
+        "tensors); --no-snapshot-copy writes CPU tensors from the state itself, no copy, and the next optimizer "
+        "step waits until they are written",
+    )
     keep_snapshots: int = option(
         3,
         "snapshots to keep (>= 2: the newest may be mid-write when a job dies)",

@@ -72,7 +72,12 @@ class Trainer:
 
         timeout = distributed.collective_timeout(cfg).total_seconds()  # how long one rank may wait for the others
         self.snapshots = Snapshots(
-            cfg.snapshot_dir, env, keep=cfg.keep_snapshots, commit_timeout=timeout, sharded=self.parallel.sharded
+            cfg.snapshot_dir,
+            env,
+            keep=cfg.keep_snapshots,
+            commit_timeout=timeout,
+            sharded=self.parallel.sharded,
+            copy=cfg.snapshot_copy,
         )
         try:  # each decided on rank 0 or agreed by every rank: the same error everywhere
             self.snapshots.prepare(estimated_bytes(self.model), fresh_start=cfg.resume == "never")

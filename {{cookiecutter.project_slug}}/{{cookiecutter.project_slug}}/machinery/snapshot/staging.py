@@ -1,5 +1,6 @@
-"""Copies of a state taken off the training thread: CPU staging buffers kept from one save to the next, CUDA
-tensors copied into pinned memory on a side stream, and DTensors split into their local shards and joined again."""
+"""Copies of a state taken off the training thread: CPU staging buffers kept from one save to the next (or none:
+the state itself is written), CUDA tensors copied into pinned memory on a side stream, and DTensors split into their
+local shards and joined again."""
 
 import copy
 from typing import Any
@@ -31,13 +32,16 @@ def copy_to_cpu(obj, staging, path=(), staged=None, used=None):
     """A deep copy with every tensor in CPU memory, what the writer thread serializes: tensors go into the buffers
     of the previous save (`staging`, keyed by place), as fresh memory costs several times the copy in page faults,
     at the price of one copy of the state kept in memory. A place in `staged` (CUDA tensors, see DeviceCopies) is
-    already on its way to that pinned buffer; `used` collects the places of the staging buffers this copy used."""
+    already on its way to that pinned buffer; `used` collects the places of the staging buffers this copy used.
+    `staging` None: CPU tensors are not copied, the writer serializes the state itself (--no-snapshot-copy)."""
 
     def copy_one(place, value):
         if not isinstance(value, torch.Tensor):
             return copy.deepcopy(value)
         if staged and place in staged:
             return staged[place]
+        if staging is None and value.device.type == "cpu":
+            return value.detach()
         if used is not None:
             used.add(place)
         buffer = staging.get(place)

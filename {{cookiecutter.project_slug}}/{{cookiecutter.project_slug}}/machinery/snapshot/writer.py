@@ -66,8 +66,12 @@ class Snapshots(SnapshotFolder):
         keep: int,
         commit_timeout: float = 600.0,
         sharded: bool = False,
+        copy: bool = True,
     ):
+        """`copy`: the state is copied into staging buffers, and training goes on while the copy is written; else
+        the writer serializes the CPU tensors of the state itself, and wait_until_copied() waits for the write."""
         super().__init__(directory, env, keep)
+        self.copy = copy
         # DCP's collectives run on the writer thread while training runs its own: they need a group of their own.
         timeout = datetime.timedelta(seconds=commit_timeout)
         self._group = dist.new_group(backend="gloo", timeout=timeout) if sharded and env.is_distributed else None
@@ -116,7 +120,8 @@ class Snapshots(SnapshotFolder):
             self.wait()
 
     def wait_until_copied(self) -> None:
-        """Return once the save in flight has copied the state; call it before the optimizer changes the weights.
+        """Return once the save in flight has copied the state (without a copy: written it); call it before the
+        optimizer changes the weights.
         For CUDA tensors, "copied" means ordered on the device: work enqueued from here on runs after the copies."""
         self._copied.wait()
         if self._device_copies is not None:
@@ -232,9 +237,9 @@ class Snapshots(SnapshotFolder):
     def _write(self, step, shared, own, device_copies, shards=None, layouts=None, frozen_in=None):
         try:
             try:
-                staged, used = device_copies.staged, set()
-                shared = copy_to_cpu(shared, self._staging, ("shared",), staged, used) if shared is not None else None
-                shards = copy_to_cpu(shards, self._staging, ("sharded",), staged, used) if shards is not None else None
+                staged, used, staging = device_copies.staged, set(), self._staging if self.copy else None
+                shared = copy_to_cpu(shared, staging, ("shared",), staged, used) if shared is not None else None
+                shards = copy_to_cpu(shards, staging, ("sharded",), staged, used) if shards is not None else None
                 # A buffer this save did not use (the frozen parameters after the snapshot that holds them) goes;
                 # this rank's own part was copied on the training thread, into buffers of its own.
                 used |= {place for place in self._staging if place[:1] == ("rank",)}
@@ -242,7 +247,8 @@ class Snapshots(SnapshotFolder):
                     for place in [place for place in buffers if place not in kept]:
                         del buffers[place]
             finally:
-                self._copied.set()
+                if self.copy:
+                    self._copied.set()
             device_copies.wait()
             folder = self.step_folder(step)
             if own is not None:  # this rank's receipt waits for its other files
@@ -251,7 +257,9 @@ class Snapshots(SnapshotFolder):
                     files[SHARED] = write_atomic(os.path.join(folder, SHARED), lambda f: torch.save(shared, f))
                 if shards is not None:
                     files.update(self._write_shards(folder, join_dtensors(shards, layouts)))
+                self._copied.set()  # without a copy, the state itself was written: the optimizer may change it
                 self._write_receipt(folder, files, frozen_in)
+            self._copied.set()
             if self.uploads is not None:  # the store: each rank uploads its part, rank 0 commits (store.py)
                 self.uploads.submit(step)
             elif self.env.is_main:
