@@ -117,8 +117,8 @@ def _checkpointed(cls: type[nn.Module]) -> type:
 
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             original = types.MethodType(cls.forward, self)  # the forward this class overrides
-            if not torch.is_grad_enabled():  # evaluation: nothing is kept for a backward anyway
-                return original(*args, **kwargs)
+            if not torch.is_grad_enabled() or not _needs_backward(self, args, kwargs):
+                return original(*args, **kwargs)  # evaluation, a frozen unit: nothing is kept for a backward
             if not torch.compiler.is_compiling():  # a few isinstance checks per call: nothing beside the forward
                 _check_replayable(self, args, kwargs)
             # Keyword arguments go in as positional ones: checkpoint looks for the device whose random stream it
@@ -144,6 +144,23 @@ def _checkpointed(cls: type[nn.Module]) -> type:
         subclass.__qualname__, subclass.__module__ = cls.__qualname__, cls.__module__
         _CLASSES[cls] = subclass
     return _CLASSES[cls]
+
+
+def _needs_backward(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether backward reaches the unit: a parameter of it, or a tensor given to it, requires a gradient. A unit
+    that backward does not reach keeps nothing to recompute (and, compiled, its dropout could not be replayed)."""
+    if any(parameter.requires_grad for parameter in module.parameters()):
+        return True
+    values = [*args, *kwargs.values()]
+    while values:
+        value = values.pop()
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            return True
+        if isinstance(value, (tuple, list)):
+            values += value
+        elif isinstance(value, dict):
+            values += value.values()
+    return False
 
 
 class _ChangedBuffers:
