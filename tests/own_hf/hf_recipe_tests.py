@@ -240,7 +240,9 @@ def test_lora_snapshots_write_the_frozen_base_once_resume_bitwise_and_export_an_
     save_base_model(tmp_path / "base-model")  # the base starts from its weights (pretrained_weights)
     monkeypatch.setenv("BASE_MODEL", str(tmp_path / "base-model"))
     model_module, _ = recipe("lora", extra=EDIT_FROZEN)
-    killed_run_ends_as_the_uninterrupted_one(tmp_path, model_module, strategy, ["--keep-snapshots", "2"])
+    # each block's activations recomputed in backward: its adapters train, its base is frozen
+    args = ["--keep-snapshots", "2", "--activation-checkpointing", "full"]
+    killed_run_ends_as_the_uninterrupted_one(tmp_path, model_module, strategy, args)
     weights = torch.load(tmp_path / "run-export" / "model.pt", weights_only=True)
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base-model").state_dict()
     for name in ("transformer.wte.weight", "transformer.h.1.attn.c_attn.weight"):  # frozen: still the base's
@@ -263,3 +265,4 @@ def test_lora_snapshots_write_the_frozen_base_once_resume_bitwise_and_export_an_
             assert snapshots[20][1] - snapshots[step][1] >= base_bytes
     said = [line for line in (tmp_path / "reference.log").read_text().splitlines() if " WARNING " in line]
     assert any(EDITED in line for line in said), said  # the change is said, naming the parameter
+    assert not [line for line in said if "activation-checkpointing" in line or "utils/checkpoint" in line], said

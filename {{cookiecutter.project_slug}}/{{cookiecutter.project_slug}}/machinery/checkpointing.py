@@ -99,6 +99,11 @@ def apply(model: nn.Module, units: Sequence[Sequence[nn.Module]], mode: str, is_
             names.get(units[0][0]) or type(units[0][0]).__name__,
             "nothing is recomputed" if mode == "selective" else "backward recomputes it whole: no memory is saved",
         )
+    config: Any = getattr(model, "config", None)  # a Hugging Face model's (a peft model's: its base's)
+    if getattr(config, "use_cache", None) is True:  # a cache the blocks update: the recompute cannot replay it
+        config.use_cache = False
+        if is_main:
+            log.info("activation checkpointing %s: the model's config.use_cache set to False", mode)
     modules = chosen(units, mode)
     for module in modules:
         if not getattr(type(module), "_recomputes_in_backward", False):

@@ -50,7 +50,7 @@ class TrainingSettings:
         "shard_units, else each child with parameters), under ddp and fsdp: full = every unit (least memory, about "
         "one more forward per step), selective = every second unit (the 2nd, 4th, ...: about half of each); the "
         "same weights as off. A model without units is refused; so is a unit given an object it may change, such "
-        "as a Hugging Face cache (use_cache=False)",
+        "as a cache (a Hugging Face model's config.use_cache is set to False)",
         choices=CHECKPOINTING_MODES,
     )
     seed: int = option(1337, "seed for weights, data order and every rank's random streams", min=0, max=2**32 - 1)
