@@ -6,12 +6,13 @@
 A GPT-2-like transformers model (GPT2Config: 6 layers, width 256, 4 heads, dropout 0.1 as GPT-2 has or
 --dropout, built from its config, offline) trains on random token windows of 512 by the baked train.py under
 torchrun, through a small wrapper. model.py's shard_units returns the 6 blocks: full recomputes all 6, selective
-the 2nd, 4th and 6th. The wrapper's optimizer step pre-hook reads VmHWM (the peak resident memory so far) from
-/proc/self/status at step 1 (the first forward and backward are done, the optimizer has no state yet) and the
-clocks (wall and the process's CPU time) at every step; after the last step both ranks exit. Activation memory =
-that peak minus the same rank's peak in a run with a tiny batch (1 window of 8 tokens, off): what the batch's
-activations add. Step time = the median interval between step pre-hooks after the first step. The modes run
-interleaved, --repeats times, on a machine other jobs share.
+the 2nd, 4th and 6th; hf-full is the template's off with the model's own gradient_checkpointing_enable() (Hugging
+Face's: every block, torch.utils.checkpoint, non-reentrant), the field's reference. The wrapper's optimizer step
+pre-hook reads VmHWM (the peak resident memory so far) from /proc/self/status at step 1 (the first forward and
+backward are done, the optimizer has no state yet) and the clocks (wall and the process's CPU time) at every step;
+after the last step both ranks exit. Activation memory = that peak minus the same rank's peak in a run with a tiny
+batch (1 window of 8 tokens, off): what the batch's activations add. Step time = the median interval between step
+pre-hooks after the first step. The modes run interleaved, --repeats times, on a machine other jobs share.
 """
 
 import argparse
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from common import CpuMeter, load, machine, project_in, scratch_folder
 
-MODES = ("off", "full", "selective")
+MODES = ("off", "full", "selective", "hf-full")  # hf-full: Hugging Face's own, gradient_checkpointing_enable()
 ARCH = {"n_layer": 6, "n_embd": 256, "n_head": 4, "n_positions": 512, "vocab_size": 2048}
 
 DATA = """
@@ -61,7 +62,10 @@ def build_model(cfg, train_dataset):
     # use_cache=False: training keeps no cache (a cache the blocks update is refused under checkpointing)
     config = GPT2Config(**json.loads(os.environ["BENCH_ARCH"]), use_cache=False)
     config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = float(os.environ["BENCH_DROPOUT"])
-    return GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(config)
+    if os.environ.get("BENCH_HF_CHECKPOINTING") == "1":  # the field's own: every block, torch.utils.checkpoint
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def compute_loss(model, batch):
@@ -148,12 +152,14 @@ def main():
         def measure(name, mode, seq, batch, steps):
             folder = work / name
             run_args = [
-                *("--activation-checkpointing", mode, "--batch-size", str(batch), "--max-steps", "100"),
+                *("--activation-checkpointing", "off" if mode == "hf-full" else mode),
+                *("--batch-size", str(batch), "--max-steps", "100"),
                 *("--eval-every", "0", "--threads-per-rank", "1", "--wandb", "disabled", "--log-file", ""),
                 *("--metrics-file", "", "--snapshot-every", "1000"),
                 *("--snapshot-dir", str(folder / "snapshots"), "--export-dir", str(folder / "export")),
             ]
             run_env = {**env, "BENCH_SEQ": str(seq), "BENCH_STEPS": str(steps)}
+            run_env["BENCH_HF_CHECKPOINTING"] = "1" if mode == "hf-full" else "0"
             return torchrun(str(work / "measure.py"), run_args, project, run_env, folder)
 
         tiny, _ = measure("tiny", "off", 8, 1, 2)
