@@ -103,11 +103,13 @@ def accumulated_gradients(mode, **settings):
 @pytest.mark.slow  # torch.compile's first call takes seconds
 def test_compiled_in_bf16_with_a_frozen_unit_and_accumulated_gradients_it_gives_the_gradients_of_off():
     """A compiled frozen unit with dropout stopped the run (inductor cannot replay random numbers in a graph without
-    gradients): a unit that backward does not reach is run as it is."""
+    gradients): a unit that backward does not reach is run as it is. Compiled, the two graphs' kernels may sum in
+    another order (the last bits differ); a mask drawn anew or a unit left out of backward would differ by far more."""
     settings = {"compile": True, "amp": "bf16"}
     (plain, _), (recomputed, said) = accumulated_gradients("off", **settings), accumulated_gradients("full", **settings)
-    assert plain and not said
-    assert_same_weights(plain, recomputed)
+    assert plain and not said and set(recomputed) == set(plain)
+    for name, gradient in plain.items():
+        assert (recomputed[name] - gradient).abs().max() <= 0.01 * gradient.abs().max(), name
 
 
 def test_buffers_a_forward_changes_are_updated_once_and_gradients_are_the_same():
