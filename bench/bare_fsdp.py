@@ -56,6 +56,7 @@ def main():
 
     phases.enter("build")
     model = model_module.build_model(cfg, dataset)
+    model.train()  # as the template's trainer: from_pretrained returns a model in eval mode (no dropout)
     phases.enter("wrap")
     if args.strategy == "fsdp":
         for unit in getattr(model_module, "shard_units", parallel.default_shard_units)(model):

@@ -3,15 +3,16 @@
     python bench/memory_phases.py [--project /path/to/baked_project] [--ranks 1,2,4] [--strategies ddp,fsdp]
                                   [--width 2048 --depth 6] [--steps 20] [--out bench/MEMORY.json]
     python bench/memory_phases.py --model gpt2 [--tokens 256 --batch-size 2] [--steps 4 --snapshot-every 2]
-                                  [--template-args "--no-snapshot-copy"] ...
+                                  [--template-args=--no-snapshot-copy] ...
 
 The baked train.py runs under torchrun (gloo, one thread per rank) through a wrapper that marks the phases with
 phase_probe.py: startup (imports, process group), build (build_model), wrap (sharding or DDP, the optimizer, the
 snapshot folder, everything up to the first step), forward and backward (of step 1), step (its optimizer step:
-AdamW's state appears), steps (every later step), snapshot (a save, made blocking here: Checkpointer.save and the
-writer's copy, serialization and commit, so that its memory is its own), eval (evaluation) and export (model.pt,
-best.pt). Each phase's figure is its own peak resident memory (VmHWM, reset between phases); above baseline = minus
-the same phase's peak in a run of the same strategy and ranks with --width 32 (what every rank pays anyway). Beside
+AdamW's state appears), steps (the later steps up to the first snapshot), snapshot (Checkpointer.save; with
+--blocking-saves also the writer's copy, serialization and commit, so that its memory is its own), later (the steps
+after a snapshot, with the background write), eval (evaluation) and export (model.pt, best.pt). Each phase's
+figure is its own peak resident memory (VmHWM, reset between phases); above baseline = minus the same phase's peak
+in a run of the same strategy and ranks with --width 32 (what every rank pays anyway). Beside
 each, bare_fsdp.py: the same model, data, batch and AdamW in a plain loop (fully_shard per Linear + root, or DDP),
 measured the same way against its own --width 32 run: the floor.
 
@@ -35,7 +36,7 @@ from common import machine, project_in
 from pretrained_memory import ARCH, DATA, MODEL, save_models
 
 BENCH = Path(__file__).resolve().parent
-PHASES = ("startup", "build", "wrap", "forward", "backward", "step", "steps", "snapshot", "eval", "export")
+PHASES = ("startup", "build", "wrap", "forward", "backward", "step", "steps", "snapshot", "later", "eval", "export")
 
 WRAPPER = """
 import os, sys
@@ -59,17 +60,14 @@ around(pretrained, "build_model", "build", then="wrap")
 around(evaluate, "evaluate", "eval")
 around(outputs.ExportFolder, "export", "export")
 original_save = checkpointer.Checkpointer.save
-def blocking_save(self, blocking=False):
+def save(self, blocking=False):
     before = phases.current
     phases.enter("snapshot")
     try:
-        original_save(self, blocking=True)
+        original_save(self, blocking=blocking or os.environ.get("MEMORY_BLOCKING_SAVES") == "1")
     finally:
-        phases.enter(before)
-if os.environ.get("MEMORY_BLOCKING_SAVES") == "1":
-    checkpointer.Checkpointer.save = blocking_save
-else:
-    around(checkpointer.Checkpointer, "save", "snapshot")
+        phases.enter("later" if before in ("steps", "later") else before)  # the steps after a snapshot
+checkpointer.Checkpointer.save = save
 original_step = hooks.UserCode.step
 def step(self, model, batch):
     result = original_step(self, model, batch)
@@ -88,7 +86,7 @@ trainer.Trainer.forward_backward = forward_backward
 original_optimizer_step = trainer.Trainer.optimizer_step
 def optimizer_step(self):
     stepped = original_optimizer_step(self)
-    phases.enter("steps")
+    phases.enter("later" if phases.current == "later" else "steps")
     return stepped
 trainer.Trainer.optimizer_step = optimizer_step
 train.main(sys.argv[1:])
@@ -174,7 +172,11 @@ def main():
     parser.add_argument("--batch-size", type=int, default=0, help="per rank (default: 32 for the MLP, 2 for GPT-2)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--snapshot-every", type=int, default=10)
-    parser.add_argument("--template-args", default="", help="more flags for the template's runs (not the bare loop)")
+    parser.add_argument(
+        "--template-args",
+        default="",
+        help="more flags for the template's runs, not the bare loop's (--template-args=\"--a --b 1\")",
+    )
     parser.add_argument("--no-bare", action="store_true", help="leave the bare loop out")
     parser.add_argument("--no-template", action="store_true", help="run the bare loop only")
     parser.add_argument("--blocking-saves", action="store_true", help="each snapshot written before training goes on")
