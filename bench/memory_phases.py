@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,7 +44,10 @@ import os, sys
 from phase_probe import Phases
 phases = Phases()
 import train
-from {package}.machinery import checkpointer, evaluate, hooks, outputs, pretrained, trainer
+from {package}.machinery import checkpointer, evaluate, hooks, measure, outputs, pretrained, trainer
+# the template resets the peak itself (at start and at each log): it would hide part of a phase's peak
+measure._HostMemory._reset = staticmethod(lambda: True)
+measure.Measure._reset_peak = lambda self: None
 
 def around(owner, name, phase, then=None):
     original = getattr(owner, name)
@@ -103,6 +107,8 @@ def torchrun(nproc, script, args, cwd, env, out):
     )
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    for written in ("snapshots", "export"):  # a GPT-2's are GBs per run
+        shutil.rmtree(out / written, ignore_errors=True)
     return [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
 
 
