@@ -1,9 +1,13 @@
 """The bare loop memory_phases.py compares the baked project's memory with: the floor of --strategy fsdp (and ddp).
 
 A process group from torchrun's environment, the baked project's own model class on its own data, and then:
-  fsdp  fully_shard on each unit the project's shard_units names (each Linear of the demo MLP), then on the root
+  fsdp  fully_shard on each unit the project's shard_units names (each Linear of the demo MLP), else the units the
+        template picks itself (machinery.parallel.default_shard_units: a GPT-2's wpe, each block, ln_f), then on the
+        root
   ddp   DistributedDataParallel (gradient_as_bucket_view, as the template's)
-AdamW, the same batch, one CPU thread per rank, a plain loop: no snapshots, no export, no evaluation. The memory of
+AdamW, the same batch, one CPU thread per rank, a plain loop: no snapshots, no export, no evaluation. The loss is
+the project's compute_loss(model, batch) where model.py has one (dict batches: a Hugging Face model), else
+cross_entropy of (inputs, targets). The memory of
 each phase (built, wrapped, first forward, backward, optimizer step, the steps after) is read by phase_probe.py:
 
     torchrun --standalone --nproc_per_node=2 bare_fsdp.py --project /path/to/baked_project --strategy fsdp \
@@ -45,15 +49,17 @@ def main():
     model_module = importlib.import_module(f"{args.package}.model")
     data_module = importlib.import_module(f"{args.package}.data")
     config = importlib.import_module(f"{args.package}.config")
+    parallel = importlib.import_module(f"{args.package}.machinery.parallel")
     cfg = config.parse_args(["--width", str(args.width), "--depth", str(args.depth), "--wandb", "disabled"])
     dataset, _ = data_module.build_datasets(cfg)
     torch.manual_seed(args.seed)
 
     phases.enter("build")
     model = model_module.build_model(cfg, dataset)
+    model.train()  # as the template's trainer: from_pretrained returns a model in eval mode (no dropout)
     phases.enter("wrap")
     if args.strategy == "fsdp":
-        for unit in model_module.shard_units(model):
+        for unit in getattr(model_module, "shard_units", parallel.default_shard_units)(model):
             fully_shard(unit)
         fully_shard(model)
         forward = model
@@ -62,16 +68,17 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     loader = DataLoader(dataset, batch_size=args.batch_size, drop_last=True, sampler=DistributedSampler(dataset))
 
+    compute_loss = getattr(model_module, "compute_loss", None)
     steps, batches = 0, iter(loader)
     while steps < args.max_steps:
         try:
-            inputs, targets = next(batches)
+            batch = next(batches)
         except StopIteration:
             batches = iter(loader)
             continue
         first = steps == 0
         phases.enter("forward" if first else "steps")
-        loss = F.cross_entropy(forward(inputs), targets)
+        loss = compute_loss(forward, batch) if compute_loss else F.cross_entropy(forward(batch[0]), batch[1])
         phases.enter("backward" if first else "steps")
         loss.backward()
         phases.enter("step" if first else "steps")

@@ -32,12 +32,15 @@ CASES = ("tiny", "weights", "from_pretrained", "config")
 POINTS = ("first_forward", "before_step", "after_step")
 
 DATA = """
+import os
+
 import torch
 
 
 class Tokens(torch.utils.data.Dataset):
     def __init__(self, rows):
-        self.ids = torch.randint(0, 128, (rows, 16), generator=torch.Generator().manual_seed(0))
+        tokens = int(os.environ.get("BENCH_TOKENS", 16))
+        self.ids = torch.randint(0, 128, (rows, tokens), generator=torch.Generator().manual_seed(0))
 
     def __len__(self):
         return len(self.ids)
