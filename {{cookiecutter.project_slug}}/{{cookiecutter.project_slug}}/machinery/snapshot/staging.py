@@ -28,12 +28,23 @@ def copied(obj: Any) -> Any:
     )
 
 
+def _same_tensor(value: torch.Tensor) -> tuple | None:
+    """What two names of one tensor share (tied weights: an embedding and the output layer), None for a layout
+    other than strided: one copy per tensor, not per name."""
+    if value.layout != torch.strided:
+        return None
+    storage = value.untyped_storage().data_ptr()
+    return (value.device, storage, value.storage_offset(), tuple(value.shape), value.stride(), value.dtype)
+
+
 def copy_to_cpu(obj, staging, path=(), staged=None, used=None):
     """A deep copy with every tensor in CPU memory, what the writer thread serializes: tensors go into the buffers
     of the previous save (`staging`, keyed by place), as fresh memory costs several times the copy in page faults,
     at the price of one copy of the state kept in memory. A place in `staged` (CUDA tensors, see DeviceCopies) is
     already on its way to that pinned buffer; `used` collects the places of the staging buffers this copy used.
-    `staging` None: CPU tensors are not copied, the writer serializes the state itself (--no-snapshot-copy)."""
+    `staging` None: CPU tensors are not copied, the writer serializes the state itself (--no-snapshot-copy). A
+    tensor the state names twice is copied once, and both names get that copy (torch.save then writes it once)."""
+    copies: dict[tuple, torch.Tensor] = {}
 
     def copy_one(place, value):
         if not isinstance(value, torch.Tensor):
@@ -42,14 +53,20 @@ def copy_to_cpu(obj, staging, path=(), staged=None, used=None):
             return staged[place]
         if staging is None and value.device.type == "cpu":
             return value.detach()
+        same = _same_tensor(value)
+        if same in copies:
+            return copies[same]
         if used is not None:
             used.add(place)
         buffer = staging.get(place)
         reusable = buffer is not None and value.layout == torch.strided
         if reusable and buffer.shape == value.shape and buffer.dtype == value.dtype:
-            return buffer.copy_(value.detach())
-        staging[place] = value.detach().to("cpu", copy=True)
-        return staging[place]
+            buffer.copy_(value.detach())
+        else:
+            buffer = staging[place] = value.detach().to("cpu", copy=True)
+        if same is not None:
+            copies[same] = buffer
+        return buffer
 
     return _map_state(obj, copy_one, path)
 
@@ -84,7 +101,12 @@ class DeviceCopies:
                 stream = self.streams[device] = torch.cuda.Stream(device=device)
             stream.wait_stream(torch.cuda.current_stream(device))  # see every change enqueued before save()
             with torch.cuda.stream(stream):
+                copies: dict[tuple | None, torch.Tensor] = {}  # one copy of a tensor the state names twice
                 for path, tensor in tensors:
+                    same = _same_tensor(tensor)
+                    if same in copies:
+                        self.staged[path] = copies[same]
+                        continue
                     buffer = self.pinned.get(path)
                     if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
                         buffer = self.pinned[path] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
@@ -92,7 +114,7 @@ class DeviceCopies:
                     # The copy reads `tensor` on the side stream: its memory must not go back to the training
                     # stream's pool before the copy is done, even if the caller drops the tensor at once.
                     tensor.record_stream(stream)
-                    self.staged[path] = buffer
+                    self.staged[path] = copies[same] = buffer
             event = torch.cuda.Event(blocking=True)  # the writer thread sleeps while it waits, leaving the core free
             event.record(stream)
             self.events.append((device, event))
