@@ -6,7 +6,7 @@
 A GPT-2-like transformers model (GPT2Config: 6 layers, width 256, 4 heads, dropout 0.1 as GPT-2 has or
 --dropout, built from its config, offline) trains on random token windows of 512 by the baked train.py under
 torchrun, through a small wrapper. model.py's shard_units returns the 6 blocks: full recomputes all 6, selective
-the 2nd, 4th and 6th; hf-full is the template's off with the model's own gradient_checkpointing_enable() (Hugging
+the 2nd, 4th and 6th; hf-full is the template's off with the model's own activation_checkpointing_enable() (Hugging
 Face's: every block, torch.utils.checkpoint, non-reentrant), the field's reference. The wrapper's optimizer step
 pre-hook reads VmHWM (the peak resident memory so far) from /proc/self/status at step 1 (the first forward and
 backward are done, the optimizer has no state yet) and the clocks (wall and the process's CPU time) at every step;
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from common import CpuMeter, load, machine, project_in, scratch_folder
 
-MODES = ("off", "full", "selective", "hf-full")  # hf-full: Hugging Face's own, gradient_checkpointing_enable()
+MODES = ("off", "full", "selective", "hf-full")  # hf-full: Hugging Face's own, activation_checkpointing_enable()
 ARCH = {"n_layer": 6, "n_embd": 256, "n_head": 4, "n_positions": 512, "vocab_size": 2048}
 
 DATA = """
@@ -64,7 +64,7 @@ def build_model(cfg, train_dataset):
     config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = float(os.environ["BENCH_DROPOUT"])
     model = GPT2LMHeadModel(config)
     if os.environ.get("BENCH_HF_CHECKPOINTING") == "1":  # the field's own: every block, torch.utils.checkpoint
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
