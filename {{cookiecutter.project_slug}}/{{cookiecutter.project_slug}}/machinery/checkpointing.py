@@ -28,6 +28,7 @@ import enum
 import functools
 import logging
 import types
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -66,6 +67,8 @@ PLAIN = (
     functools.partial,
 )
 _CLASSES: dict[type[nn.Module], type] = {}  # a module class -> its checkpointed subclass
+# the configs whose use_cache apply() set to False, by id (a Hugging Face config has no hash)
+_CACHE_TURNED_OFF: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def chosen(units: Sequence[Sequence[nn.Module]], mode: str) -> list[nn.Module]:
@@ -101,9 +104,10 @@ def apply(model: nn.Module, units: Sequence[Sequence[nn.Module]], mode: str, is_
         )
     config: Any = getattr(model, "config", None)  # a Hugging Face model's (a peft model's: its base's)
     if getattr(config, "use_cache", None) is True:  # a cache the blocks update: the recompute cannot replay it
-        config.use_cache = False
+        config.use_cache = False  # for training; an export writes the config as built (config_as_built)
+        _CACHE_TURNED_OFF[id(config)] = config
         if is_main:
-            log.info("activation checkpointing %s: the model's config.use_cache set to False", mode)
+            log.info("activation checkpointing %s: the model's config.use_cache set to False to train", mode)
     modules = chosen(units, mode)
     for module in modules:
         if not getattr(type(module), "_recomputes_in_backward", False):
@@ -149,6 +153,21 @@ def _checkpointed(cls: type[nn.Module]) -> type:
         subclass.__qualname__, subclass.__module__ = cls.__qualname__, cls.__module__
         _CLASSES[cls] = subclass
     return _CLASSES[cls]
+
+
+@contextlib.contextmanager
+def config_as_built(model: nn.Module) -> Iterator[None]:
+    """Within: a Hugging Face model's config.use_cache as it was built, where apply() turned it off to train (what
+    its save_pretrained writes for inference)."""
+    config: Any = getattr(model, "config", None)
+    turned_off = config is not None and _CACHE_TURNED_OFF.get(id(config)) is config
+    if turned_off:
+        config.use_cache = True
+    try:
+        yield
+    finally:
+        if turned_off:
+            config.use_cache = False
 
 
 def _needs_backward(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from . import checkpointing
 from .distributed import DistEnv
 from .settings import first_line, flag, to_toml
 from .snapshot import write_atomic
@@ -93,7 +94,8 @@ def save_pretrained(model: nn.Module, weights: dict[str, Any], folder: str) -> N
     A model whose save_pretrained fails is said in one warning: model.pt holds its weights anyway."""
     partial, old = f"{folder}.tmp-{os.getpid()}", f"{folder}.old-{os.getpid()}"
     try:
-        cast(Any, model).save_pretrained(partial, state_dict=dict(weights))  # transformers empties the dict given
+        with checkpointing.config_as_built(model):  # use_cache as built, not as trained
+            cast(Any, model).save_pretrained(partial, state_dict=dict(weights))  # transformers empties the dict given
     except Exception as exc:  # noqa: BLE001 - the user's model's own method; the run's weights are exported already
         shutil.rmtree(partial, ignore_errors=True)
         log.warning(

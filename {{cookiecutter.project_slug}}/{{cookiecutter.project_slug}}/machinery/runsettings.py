@@ -85,9 +85,9 @@ class SnapshotSettings:
     snapshot_copy: bool = option(
         True,
         "copy the state at a snapshot step into memory kept for it, so that training goes on while it is written "
-        "(one more copy of each rank's state, or its shards under fsdp, in CPU memory; pinned host memory for GPU "
-        "tensors); --no-snapshot-copy writes CPU tensors from the state itself, no copy, and the next optimizer "
-        "step waits until they are written",
+        "(one more copy of each rank's state, or its shards under fsdp, in CPU memory); --no-snapshot-copy writes "
+        "CPU tensors from the state itself, no copy, and the next optimizer step waits until they are written. GPU "
+        "tensors are copied into pinned host memory either way",
     )
     keep_snapshots: int = option(
         3,

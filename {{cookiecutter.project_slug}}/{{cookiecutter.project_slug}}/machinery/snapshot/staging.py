@@ -33,26 +33,34 @@ def _same_tensor(value: torch.Tensor) -> tuple | None:
     other than strided: one copy per tensor, not per name."""
     if value.layout != torch.strided:
         return None
-    storage = value.untyped_storage().data_ptr()
+    try:
+        storage = value.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
+        return None
     return (value.device, storage, value.storage_offset(), tuple(value.shape), value.stride(), value.dtype)
 
 
-def copy_to_cpu(obj, staging, path=(), staged=None, used=None):
+def copy_to_cpu(obj, staging, path=(), staged=None, used=None, live=None):
     """A deep copy with every tensor in CPU memory, what the writer thread serializes: tensors go into the buffers
     of the previous save (`staging`, keyed by place), as fresh memory costs several times the copy in page faults,
     at the price of one copy of the state kept in memory. A place in `staged` (CUDA tensors, see DeviceCopies) is
     already on its way to that pinned buffer; `used` collects the places of the staging buffers this copy used.
-    `staging` None: CPU tensors are not copied, the writer serializes the state itself (--no-snapshot-copy). A
-    tensor the state names twice is copied once, and both names get that copy (torch.save then writes it once)."""
-    copies: dict[tuple, torch.Tensor] = {}
+    `staging` None: CPU tensors are not copied, the writer serializes the state itself (--no-snapshot-copy), and
+    `live` collects their places; other tensors get fresh copies. A tensor the state names twice is copied once,
+    and both names get that copy (torch.save then writes it once)."""
+    copies = {}  # what _same_tensor says of a tensor -> its copy
 
     def copy_one(place, value):
         if not isinstance(value, torch.Tensor):
             return copy.deepcopy(value)
         if staged and place in staged:
             return staged[place]
-        if staging is None and value.device.type == "cpu":
-            return value.detach()
+        if staging is None:
+            if value.device.type == "cpu":
+                if live is not None:
+                    live.add(place)
+                return value.detach()
+            return value.detach().to("cpu", copy=True)
         same = _same_tensor(value)
         if same in copies:
             return copies[same]

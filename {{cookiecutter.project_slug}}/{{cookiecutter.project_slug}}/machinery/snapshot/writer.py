@@ -237,9 +237,10 @@ class Snapshots(SnapshotFolder):
     def _write(self, step, shared, own, device_copies, shards=None, layouts=None, frozen_in=None):
         try:
             try:
-                staged, used, staging = device_copies.staged, set(), self._staging if self.copy else None
-                shared = copy_to_cpu(shared, staging, ("shared",), staged, used) if shared is not None else None
-                shards = copy_to_cpu(shards, staging, ("sharded",), staged, used) if shards is not None else None
+                staged, used, live = device_copies.staged, set(), set()
+                staging = self._staging if self.copy else None
+                shared = copy_to_cpu(shared, staging, ("shared",), staged, used, live) if shared is not None else None
+                shards = copy_to_cpu(shards, staging, ("sharded",), staged, used, live) if shards is not None else None
                 # A buffer this save did not use (the frozen parameters after the snapshot that holds them) goes;
                 # this rank's own part was copied on the training thread, into buffers of its own.
                 used |= {place for place in self._staging if place[:1] == ("rank",)}
@@ -247,7 +248,7 @@ class Snapshots(SnapshotFolder):
                     for place in [place for place in buffers if place not in kept]:
                         del buffers[place]
             finally:
-                if self.copy:
+                if not live:  # copied (GPU tensors: into pinned memory, with or without --no-snapshot-copy)
                     self._copied.set()
             device_copies.wait()
             folder = self.step_folder(step)
