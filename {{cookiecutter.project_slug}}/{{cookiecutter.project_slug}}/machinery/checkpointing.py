@@ -29,7 +29,7 @@ import functools
 import logging
 import types
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -175,16 +175,7 @@ def _needs_backward(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> b
     that backward does not reach keeps nothing to recompute (and, compiled, its dropout could not be replayed)."""
     if any(parameter.requires_grad for parameter in module.parameters()):
         return True
-    values = [*args, *kwargs.values()]
-    while values:
-        value = values.pop()
-        if isinstance(value, torch.Tensor) and value.requires_grad:
-            return True
-        if isinstance(value, (tuple, list)):
-            values += value
-        elif isinstance(value, dict):
-            values += value.values()
-    return False
+    return any(isinstance(value, torch.Tensor) and value.requires_grad for value in _leaves((args, kwargs)))
 
 
 class _ChangedBuffers:
@@ -233,14 +224,16 @@ def _check_replayable(module: nn.Module, args: tuple, kwargs: dict[str, Any]) ->
 
 def _not_plain(value: Any) -> Any:
     """The first value inside `value` (a tuple, list or dict of them) that is not plain, or None."""
+    return next((leaf for leaf in _leaves(value) if not isinstance(leaf, PLAIN)), None)
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    """The values inside `value`, in order: tuples, lists and dicts are looked into, to any depth."""
     if isinstance(value, (tuple, list)):
-        items: Iterable[Any] = value
+        for item in value:
+            yield from _leaves(item)
     elif isinstance(value, dict):
-        items = value.values()
+        for item in value.values():
+            yield from _leaves(item)
     else:
-        return None if isinstance(value, PLAIN) else value
-    for item in items:
-        odd = _not_plain(item)
-        if odd is not None:
-            return odd
-    return None
+        yield value

@@ -258,9 +258,8 @@ class Snapshots(SnapshotFolder):
                     files[SHARED] = write_atomic(os.path.join(folder, SHARED), lambda f: torch.save(shared, f))
                 if shards is not None:
                     files.update(self._write_shards(folder, join_dtensors(shards, layouts)))
-                self._copied.set()  # without a copy, the state itself was written: the optimizer may change it
                 self._write_receipt(folder, files, frozen_in)
-            self._copied.set()
+            self._copied.set()  # without a copy, the state itself is written now: the optimizer may change it
             if self.uploads is not None:  # the store: each rank uploads its part, rank 0 commits (store.py)
                 self.uploads.submit(step)
             elif self.env.is_main:
