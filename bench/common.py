@@ -147,6 +147,19 @@ class Run:
         return json.loads((self.probe_dir / f"steps-rank{rank}-attempt{attempt}.json").read_text())["steps"]
 
 
+def rank_files(nproc, script, args, cwd, env, out, timeout):
+    """Run `script` on `nproc` ranks under torchrun (--standalone) with MEMORY_OUT=`out`, where each rank writes its
+    rank<N>.json; the texts of those files, in rank order. A failed run raises with the end of its output."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
+    result = subprocess.run(
+        cmd, cwd=cwd, env={**env, "MEMORY_OUT": str(out)}, capture_output=True, text=True, timeout=timeout
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return [path.read_text() for path in sorted(out.glob("rank*.json"))]
+
+
 def steps_per_second(step_times, warmup):
     """Optimizer steps per second from step `warmup` to the last one."""
     if len(step_times) <= warmup + 1:

@@ -12,12 +12,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from common import bake, machine
+from common import bake, machine, rank_files
 
 SIZES = {
     "demo": [],  # the demo model as baked: width 256, depth 3
@@ -81,18 +79,6 @@ dist.destroy_process_group()
 """
 
 
-def torchrun(nproc, script, args, cwd, env, out):
-    """Run `script` on `nproc` ranks; return what each rank wrote to its file in `out`."""
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
-    result = subprocess.run(
-        cmd, cwd=cwd, env={**env, "MEMORY_OUT": str(out)}, capture_output=True, text=True, timeout=1800
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return [path.read_text() for path in sorted(out.glob("rank*.json"))]
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--project", default="")
@@ -115,7 +101,7 @@ def main():
 
     rows, records = [], []
     base = {
-        n: max(map(float, torchrun(n, str(baseline), [], project, env, work / f"baseline-{n}")))
+        n: max(map(float, rank_files(n, str(baseline), [], project, env, work / f"baseline-{n}", timeout=1800)))
         for n in map(int, args.ranks.split(","))
     }
     for size in args.sizes.split(","):
@@ -129,7 +115,10 @@ def main():
                     *("--wandb", "disabled", "--log-file", "", "--metrics-file", ""),
                     *("--snapshot-dir", str(folder / "snapshots"), "--export-dir", str(folder / "export")),
                 ]
-                found = [json.loads(text) for text in torchrun(nproc, str(wrapper), run_args, project, env, folder)]
+                found = [
+                    json.loads(text)
+                    for text in rank_files(nproc, str(wrapper), run_args, project, env, folder, timeout=1800)
+                ]
                 peak = max(r["peak_mib"] for r in found)
                 state = max(r["state_mib"] for r in found)
                 stall = statistics.median(r["stall_s"] / max(1, r["snapshots"]) for r in found)

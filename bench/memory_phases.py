@@ -28,12 +28,10 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from common import machine, project_in
+from common import machine, project_in, rank_files
 from pretrained_memory import ARCH, DATA, MODEL, save_models
 
 BENCH = Path(__file__).resolve().parent
@@ -100,16 +98,10 @@ phases.dump(os.environ["MEMORY_OUT"])
 
 def torchrun(nproc, script, args, cwd, env, out):
     """Run `script` on `nproc` ranks; each rank's record."""
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
-    result = subprocess.run(
-        cmd, cwd=cwd, env={**env, "MEMORY_OUT": str(out)}, capture_output=True, text=True, timeout=3600
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    records = [json.loads(text) for text in rank_files(nproc, script, args, cwd, env, out, timeout=3600)]
     for written in ("snapshots", "export"):  # a GPT-2's are GBs per run
         shutil.rmtree(out / written, ignore_errors=True)
-    return [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
+    return records
 
 
 def peaks(records):
