@@ -23,33 +23,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import CpuMeter, load, machine, project_in, scratch_folder
+from common import TOKEN_DATA, CpuMeter, load, machine, project_in, scratch_folder
 
 MODES = ("off", "full", "selective", "hf-full")  # hf-full: Hugging Face's own, activation_checkpointing_enable()
 ARCH = {"n_layer": 6, "n_embd": 256, "n_head": 4, "n_positions": 512, "vocab_size": 2048}
-
-DATA = """
-import os
-
-import torch
-
-SEQ, VOCAB = int(os.environ["BENCH_SEQ"]), int(os.environ["BENCH_VOCAB"])
-
-
-class Windows(torch.utils.data.Dataset):
-    def __init__(self, rows):
-        self.ids = torch.randint(0, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, index):
-        return {"input_ids": self.ids[index], "labels": self.ids[index]}
-
-
-def build_datasets(cfg):
-    return Windows(256), None
-"""
 
 MODEL = """
 import json
@@ -139,7 +116,7 @@ def main():
     meter = CpuMeter()
     with scratch_folder("activation-checkpointing-", args.keep) as work:
         project, package = project_in(work, args.project)
-        (project / package / "data.py").write_text(DATA)
+        (project / package / "data.py").write_text(TOKEN_DATA)
         (project / package / "model.py").write_text(MODEL)
         (work / "measure.py").write_text(WRAPPER.format())
         env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "DEBUG_", "TORCHELASTIC_", "OMP_"))}
@@ -158,7 +135,7 @@ def main():
                 *("--metrics-file", "", "--snapshot-every", "1000"),
                 *("--snapshot-dir", str(folder / "snapshots"), "--export-dir", str(folder / "export")),
             ]
-            run_env = {**env, "BENCH_SEQ": str(seq), "BENCH_STEPS": str(steps)}
+            run_env = {**env, "BENCH_TOKENS": str(seq), "BENCH_STEPS": str(steps)}
             run_env["BENCH_HF_CHECKPOINTING"] = "1" if mode == "hf-full" else "0"
             return torchrun(str(work / "measure.py"), run_args, project, run_env, folder)
 

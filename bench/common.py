@@ -26,6 +26,30 @@ STOPPING = re.compile(_GLOG + r".*closing signal", re.M)  # the agent signals th
 FAILED = re.compile(_GLOG + r".*failed \(exitcode", re.M)  # ... and, once they are gone, reports the failure
 
 
+# data.py of the benches that train a transformers GPT-2: random token rows, BENCH_TOKENS long, ids below BENCH_VOCAB
+TOKEN_DATA = """
+import os
+
+import torch
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, rows):
+        tokens, vocab = int(os.environ.get("BENCH_TOKENS", 16)), int(os.environ.get("BENCH_VOCAB", 128))
+        self.ids = torch.randint(0, vocab, (rows, tokens), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+def build_datasets(cfg):
+    return Tokens(256), None
+"""
+
+
 def bake(scratch, **answers):
     """Bake the template with its defaults (or these answers) into `scratch`; return (project folder, package name)."""
     subprocess.run(

@@ -31,8 +31,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from common import machine, project_in, rank_files
-from pretrained_memory import ARCH, DATA, MODEL, save_models
+from common import TOKEN_DATA, machine, project_in, rank_files
+from pretrained_memory import ARCH, MODEL, save_models
 
 BENCH = Path(__file__).resolve().parent
 PHASES = ("startup", "build", "wrap", "forward", "backward", "step", "steps", "snapshot", "later", "eval", "export")
@@ -201,7 +201,7 @@ def main():
         env["MEMORY_BLOCKING_SAVES"] = "1"
     batch = args.batch_size or (2 if args.model == "gpt2" else 32)
     if args.model == "gpt2":
-        (project / package / "data.py").write_text(DATA)
+        (project / package / "data.py").write_text(TOKEN_DATA)
         (project / package / "model.py").write_text(MODEL)
         big, tiny = save_models(work / "models")
         env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})

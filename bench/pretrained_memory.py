@@ -24,34 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-from common import CpuMeter, load, machine, project_in, scratch_folder
+from common import TOKEN_DATA, CpuMeter, load, machine, project_in, scratch_folder
 
 ARCH = {"n_embd": 768, "n_layer": 6, "n_head": 12, "n_positions": 256, "vocab_size": 50257}
 TINY = {"n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 256, "vocab_size": 128}
 CASES = ("tiny", "weights", "from_pretrained", "config")
 POINTS = ("first_forward", "before_step", "after_step")
-
-DATA = """
-import os
-
-import torch
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, rows):
-        tokens = int(os.environ.get("BENCH_TOKENS", 16))
-        self.ids = torch.randint(0, 128, (rows, tokens), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, index):
-        return {"input_ids": self.ids[index], "labels": self.ids[index]}
-
-
-def build_datasets(cfg):
-    return Tokens(256), None
-"""
 
 MODEL = """
 import os
@@ -207,7 +185,7 @@ def main():
     meter = CpuMeter()
     with scratch_folder("pretrained-memory-", args.keep) as work:
         project, package = project_in(work, args.project)
-        (project / package / "data.py").write_text(DATA)
+        (project / package / "data.py").write_text(TOKEN_DATA)
         (project / package / "model.py").write_text(MODEL)
         (work / "measure.py").write_text(WRAPPER.format(package=package))
         big, tiny = save_models(work / "models")
