@@ -444,15 +444,22 @@ class FlakyLink:
             end.close()
 
 
-@needs_s3
-def test_a_store_briefly_unreachable_delays_the_snapshots_not_the_saves(s3_server, bucket, monkeypatch, caplog):
-    """Uploads go on in the background and are retried: the saves return at once while the store is cut off, a
-    WARNING says snapshots are late, and both are committed once it is back."""
+def snapshots_through_a_link(s3_server, bucket, monkeypatch):
+    """(a FlakyLink to the store, the snapshot URL on the store, prepared Snapshots there, reaching it through the
+    link)."""
     link = FlakyLink(s3_server)
     monkeypatch.setenv("AWS_ENDPOINT_URL", link.endpoint)
     url = f"s3://{bucket}/run"
     snapshots = Snapshots(url, DistEnv(), keep=10)
     snapshots.prepare(estimated_bytes=1)
+    return link, url, snapshots
+
+
+@needs_s3
+def test_a_store_briefly_unreachable_delays_the_snapshots_not_the_saves(s3_server, bucket, monkeypatch, caplog):
+    """Uploads go on in the background and are retried: the saves return at once while the store is cut off, a
+    WARNING says snapshots are late, and both are committed once it is back."""
+    link, url, snapshots = snapshots_through_a_link(s3_server, bucket, monkeypatch)
     try:
         link.cut(True)
         started = time.monotonic()
@@ -498,11 +505,7 @@ def test_a_store_gone_for_good_stops_the_saves_in_one_error_within_store_timeout
     the next save fails within STORE_TIMEOUT_S, naming the URL and the store's error, with no traceback of the
     client's own; closing does not hang either, and the committed snapshot stays loadable."""
     monkeypatch.setenv("STORE_TIMEOUT_S", "4")
-    link = FlakyLink(s3_server)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", link.endpoint)
-    url = f"s3://{bucket}/run"
-    snapshots = Snapshots(url, DistEnv(), keep=10)
-    snapshots.prepare(estimated_bytes=1)
+    link, url, snapshots = snapshots_through_a_link(s3_server, bucket, monkeypatch)
     try:
         snapshots.save(10, {"model": {"w": torch.full((64,), 10.0)}, "step": 10}, {}, blocking=True)
         link.cut(True, mode)
